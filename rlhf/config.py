@@ -1,0 +1,540 @@
+"""The one configuration tree: `PPOConfig`.
+
+Field names follow verl's dotted keys (`actor.clip_ratio`, `algorithm.kl_ctrl.kl_coef`,
+...) so a verl config carries over. The tree is frozen: it is parsed once, from a
+YAML/JSON file plus dotted `key=value` overrides, and never mutated afterwards.
+Unknown keys raise with the closest valid name. `derive_sizes` is the one function
+that turns batch settings into per-GPU sizes and checks that they divide.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Optional, get_args, get_origin, get_type_hints
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config key or value is wrong; the message names the key and what to do."""
+
+
+# ---------------------------------------------------------------------------------
+# The tree
+# ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SyntheticDataConfig:
+    """The embedded arithmetic task used when no dataset files are given."""
+
+    n_sft: int = 1500  # labeled problems the SFT warm-start sees
+    n_train: int = 20000  # unlabeled prompts PPO draws from (ground truth only for the verifier)
+    n_val: int = 500  # held-out problems for greedy validation
+    digits: int = 2  # digits per operand
+    operators: str = "+"  # operators drawn from, e.g. "+-*"
+    n_steps: int = 1  # binary operations per problem (2 => "a+b+c")
+    seed: int = 1234
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train_files: str = ""  # parquet file/dir/URI (verl layout); "" => synthetic arithmetic
+    val_files: str = ""
+    prompt_format: str = "text"  # "text" | "chat" (chat lists rendered with the template)
+    train_batch_size: int = 64  # prompts per PPO step
+    val_batch_size: int = 0  # 0 => whole val set in one pass
+    max_prompt_length: int = 32
+    max_response_length: int = 16
+    filter_overlong_prompts: bool = True
+    truncation: str = "error"  # "error" | "left" | "right"
+    shuffle: bool = True
+    drop_invalid: bool = False  # drop (and count) invalid rows instead of raising
+    use_sequence_packing: bool = False
+    base_dir: str = ""  # if set, dataset paths may not escape it
+    synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
+
+
+@dataclass(frozen=True)
+class TinyModelConfig:
+    """The default policy: a small Llama built in code with a character tokenizer."""
+
+    hidden_size: int = 128
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 4
+    intermediate_size: int = 384
+    max_position_embeddings: int = 128
+    tie_word_embeddings: bool = True  # share the input embedding with the output head
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """Supervised warm-start on the labeled set (loss on answer tokens only)."""
+
+    enable: bool = True
+    max_seconds: float = 60.0  # wall budget; whichever of seconds/epochs ends first
+    epochs: int = 1000
+    max_steps: int = 0  # optimizer steps; 0 => epochs decide
+    batch_size: int = 64
+    lr: float = 3e-3
+    lr_schedule: str = "cosine"  # "cosine" (to min_lr_ratio * lr) | "constant", after warmup
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    log_every: int = 50  # print a progress line every this many steps
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = ""  # local HF causal-LM dir or URI; "" => tiny model built in code
+    critic_path: str = ""  # "" => critic backbone initialised from the actor
+    trust_remote_code: bool = False
+    allow_network: bool = False  # hub names are fetched only when this is true
+    dtype: str = "float32"  # "float32" | "bfloat16"
+    enable_gradient_checkpointing: bool = False
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    lr: float = 5e-5
+    weight_decay: float = 0.0
+    ppo_epochs: int = 1
+    ppo_mini_batch_size: int = 64  # in prompts (times rollout.n responses), verl semantics
+    ppo_micro_batch_size_per_gpu: int = 64  # in responses
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None  # None => clip_ratio
+    clip_ratio_high: Optional[float] = None  # None => clip_ratio
+    clip_ratio_c: float = 3.0  # dual-clip lower bound for negative advantages
+    entropy_coeff: float = 0.0
+    grad_clip: float = 1.0
+    loss_agg_mode: str = "token-mean"
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    ppo_epochs: int = 1
+    cliprange_value: float = 0.5
+    grad_clip: float = 1.0
+    loss_agg_mode: str = "token-mean"
+    ppo_micro_batch_size_per_gpu: int = 64
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    name: str = "hf"  # "hf" | "vllm"
+    n: int = 4  # responses per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 => off
+    tensor_model_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.5
+    max_num_batched_tokens: int = 8192
+    generate_batch_size: int = 256  # sequences per HF generate call
+    val_temperature: float = 0.0  # 0 => greedy validation
+
+
+@dataclass(frozen=True)
+class KLCtrlConfig:
+    type: str = "fixed"  # "fixed" | "adaptive"
+    kl_coef: float = 0.001
+    target_kl: float = 0.1
+    horizon: int = 10000
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    adv_estimator: str = "gae"  # "gae" | "grpo"
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = True
+    kl_penalty: str = "kl"  # "kl"/"k1" | "abs" | "mse"/"k2" | "low_var_kl"/"k3"
+    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    gsm8k_method: str = "strict"  # "strict" | "flexible"
+    format_score: float = 0.0
+    score: float = 1.0
+    model_path: str = ""  # reward model dir for rows with reward_style == "model"
+    model_batch_size: int = 32
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    total_rounds: int = 10
+    steps_per_round: int = 1
+    test_freq: int = 1  # evaluate every k rounds
+    val_before_train: bool = True
+    logger: list[str] = field(default_factory=lambda: ["console"])
+    project_name: str = "rlhf-ppo"
+    experiment_name: str = "default"
+    mlflow_tracking_uri: str = ""  # "" => $MLFLOW_TRACKING_URI or a local SQLite store
+    output_dir: str = "outputs"
+    resume: str = "auto"  # "auto" | "disable"
+    seed: int = 0
+    n_gpus_per_node: int = 1
+    nnodes: int = 1
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    profile_steps: list[int] = field(default_factory=list)
+    max_ckpt_to_keep: int = 2
+
+
+@dataclass(frozen=True)
+class DeepSpeedConfig:
+    zero_stage: int = 0
+    bf16: bool = False
+    offload: bool = False
+
+
+@dataclass(frozen=True)
+class EarlyStopConfig:
+    enable: bool = True
+    kl_patience: int = 3  # stop after KL > target_kl for this many consecutive steps
+    kl_ceiling: float = 0.2  # stop at once when KL exceeds this
+    val_patience: int = 0  # stop after this many evaluations without improvement; 0 => off
+    min_delta: float = 0.0
+    max_nonfinite_steps: int = 3  # stop after this many skipped (non-finite) steps
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
+
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "data.prompt_format": ("text", "chat"),
+    "data.truncation": ("error", "left", "right"),
+    "model.dtype": ("float32", "bfloat16"),
+    "rollout.name": ("hf", "vllm"),
+    "algorithm.adv_estimator": ("gae", "grpo"),
+    "algorithm.kl_penalty": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
+    "actor.kl_loss_type": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
+    "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
+    "actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    "critic.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    "reward.gsm8k_method": ("strict", "flexible"),
+    "trainer.resume": ("auto", "disable"),
+    "trainer.device": ("auto", "cpu", "cuda"),
+}
+_LOGGERS = ("console", "mlflow", "wandb", "none")
+
+
+# ---------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------
+
+
+def all_keys(cls: type = PPOConfig, prefix: str = "") -> list[str]:
+    """Every dotted leaf key of the tree, e.g. `algorithm.kl_ctrl.kl_coef`."""
+    keys = []
+    hints = get_type_hints(cls)
+    for f in fields(cls):
+        t = hints[f.name]
+        if is_dataclass(t):
+            keys += all_keys(t, f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def _unknown(key: str, valid: list[str], where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(valid))}"
+    return ConfigError(f"unknown config key '{key}'{where}{hint}")
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    origin = get_origin(tp)
+    if origin is list:
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v] if value else []
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config key '{key}' expects a list, got {value!r}")
+        (item_tp,) = get_args(tp)
+        return [_coerce(key, v, item_tp) for v in value]
+    args = [a for a in get_args(tp) if a is not type(None)]
+    if origin is not None and args:  # Optional[X]
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
+            return None
+        return _coerce(key, value, args[0])
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise ConfigError(f"config key '{key}' expects {getattr(tp, '__name__', tp)}, got {value!r}")
+
+
+def _build(cls: type, data: dict, prefix: str = "") -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"config section '{prefix.rstrip('.') or '<root>'}' must be a mapping, got {data!r}")
+    hints = get_type_hints(cls)
+    names = {f.name for f in fields(cls)}
+    kwargs = {}
+    for k, v in data.items():
+        if k not in names:
+            raise _unknown(f"{prefix}{k}", all_keys(), "")
+        t = hints[k]
+        if is_dataclass(t):
+            kwargs[k] = _build(t, v if v is not None else {}, f"{prefix}{k}.")
+        else:
+            kwargs[k] = _coerce(f"{prefix}{k}", v, t)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, key: str, value: Any) -> None:
+    if key not in all_keys() and not any(k.startswith(key + ".") for k in all_keys()):
+        raise _unknown(key, all_keys(), " in override")
+    parts = key.split(".")
+    node = tree
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override '{key}': '{p}' is not a section")
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`a.b=value` -> ("a.b", parsed value); the value is parsed as YAML (`1e-3`, `true`, `[a,b]`)."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' must look like key=value, e.g. actor.clip_ratio=0.3")
+    key, raw = text.split("=", 1)
+    key = key.strip().lstrip("+")
+    if not key:
+        raise ConfigError(f"override '{text}' has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    if isinstance(value, str) and _looks_like_float(raw):
+        value = float(raw)
+    return key, value
+
+
+def _looks_like_float(raw: str) -> bool:
+    try:
+        float(raw)
+        return True
+    except ValueError:
+        return False
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def flatten(cfg: Any) -> dict[str, Any]:
+    """`{"actor.clip_ratio": 0.2, ...}` for MLflow params."""
+    out: dict[str, Any] = {}
+
+    def walk(d: dict, prefix: str) -> None:
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                out[f"{prefix}{k}"] = v
+
+    walk(to_dict(cfg), "")
+    return out
+
+
+def from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> PPOConfig:
+    """Build and validate a config from a nested mapping plus dotted overrides."""
+    tree = json.loads(json.dumps(data or {}))  # deep copy of plain data
+    for text in overrides:
+        k, v = parse_override(text)
+        _set_dotted(tree, k, v)
+    cfg = _build(PPOConfig, tree)
+    validate(cfg)
+    return cfg
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> PPOConfig:
+    """Load YAML or JSON (`path` may be None for the defaults) and apply overrides."""
+    data: dict = {}
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise ConfigError(f"cannot read config file '{path}': {e.strerror}") from e
+        try:
+            data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+        except (yaml.YAMLError, json.JSONDecodeError) as e:
+            raise ConfigError(f"config file '{path}' is not valid YAML/JSON: {e}") from e
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file '{path}' must hold a mapping at the top level")
+    try:
+        return from_dict(data, overrides)
+    except ConfigError as e:
+        if path:
+            raise ConfigError(f"{path}: {e}") from e
+        raise
+
+
+def save_config(cfg: PPOConfig, path: str | os.PathLike) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+
+
+def replace(cfg: PPOConfig, overrides: list[str] | tuple[str, ...]) -> PPOConfig:
+    """A new config: `cfg` with dotted overrides applied (the original is untouched)."""
+    return from_dict(to_dict(cfg), overrides)
+
+
+# ---------------------------------------------------------------------------------
+# Validation and derived sizes
+# ---------------------------------------------------------------------------------
+
+
+def validate(cfg: PPOConfig) -> None:
+    flat = flatten(cfg)
+    for key, choices in _CHOICES.items():
+        if flat[key] not in choices:
+            raise ConfigError(f"config key '{key}' is {flat[key]!r}; choose one of {', '.join(choices)}")
+    for name in cfg.trainer.logger:
+        if name not in _LOGGERS:
+            raise ConfigError(f"trainer.logger entry {name!r} is unknown; choose from {', '.join(_LOGGERS)}")
+    positive = [
+        "data.train_batch_size", "data.max_prompt_length", "data.max_response_length",
+        "actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size_per_gpu", "actor.ppo_epochs",
+        "actor.ppo_max_token_len_per_gpu", "rollout.n", "trainer.total_rounds",
+        "trainer.steps_per_round", "trainer.test_freq", "trainer.n_gpus_per_node", "trainer.nnodes",
+        "critic.ppo_micro_batch_size_per_gpu", "critic.ppo_epochs", "rollout.generate_batch_size",
+    ]
+    for key in positive:
+        if flat[key] <= 0:
+            raise ConfigError(f"config key '{key}' must be > 0, got {flat[key]}")
+    if not 0 < cfg.actor.clip_ratio < 1:
+        raise ConfigError(f"actor.clip_ratio must be in (0, 1), got {cfg.actor.clip_ratio}")
+    if cfg.actor.clip_ratio_c <= 1:
+        raise ConfigError(f"actor.clip_ratio_c must be > 1 (dual-clip bound), got {cfg.actor.clip_ratio_c}")
+    if cfg.algorithm.kl_ctrl.kl_coef < 0:
+        raise ConfigError(f"algorithm.kl_ctrl.kl_coef must be >= 0, got {cfg.algorithm.kl_ctrl.kl_coef}")
+    if cfg.deepspeed.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"deepspeed.zero_stage must be 0, 1, 2 or 3, got {cfg.deepspeed.zero_stage}")
+    if not 0 < cfg.rollout.gpu_memory_utilization <= 1:
+        raise ConfigError("rollout.gpu_memory_utilization must be in (0, 1]")
+    if cfg.algorithm.adv_estimator == "grpo" and cfg.rollout.n < 2:
+        raise ConfigError("algorithm.adv_estimator=grpo needs rollout.n >= 2 (a group per prompt)")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Batch sizes derived from the config for a given world size."""
+
+    world_size: int
+    prompts_per_step: int  # data.train_batch_size
+    responses_per_step: int  # prompts_per_step * rollout.n
+    prompts_per_round: int  # steps_per_round * train_batch_size
+    responses_per_round: int
+    num_mini_batches: int  # per PPO epoch, per step
+    mini_batch_responses: int  # global responses per optimizer step
+    mini_batch_per_gpu: int  # responses per optimizer step on one rank
+    micro_batch_per_gpu: int  # responses per forward/backward (fixed bsz)
+    grad_accum_steps: int  # micro-batches per optimizer step (fixed bsz)
+    responses_per_gpu: int  # responses of one step handled by one rank
+
+
+def derive_sizes(cfg: PPOConfig, world_size: int | None = None) -> Sizes:
+    """The one place batch sizes are derived; every divisibility rule is checked here."""
+    ws = world_size if world_size is not None else cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    if ws <= 0:
+        raise ConfigError(f"world size must be > 0, got {ws}")
+    bsz, n = cfg.data.train_batch_size, cfg.rollout.n
+    mini = cfg.actor.ppo_mini_batch_size
+    if mini > bsz or bsz % mini:
+        raise ConfigError(
+            f"actor.ppo_mini_batch_size ({mini}) must divide data.train_batch_size ({bsz}); "
+            f"try a divisor such as {_divisor_near(bsz, mini)}")
+    mini_resp = mini * n
+    if mini_resp % ws:
+        raise ConfigError(
+            f"actor.ppo_mini_batch_size * rollout.n ({mini} * {n} = {mini_resp}) must be divisible by the "
+            f"number of GPUs ({ws}); change actor.ppo_mini_batch_size or trainer.n_gpus_per_node")
+    mini_per_gpu = mini_resp // ws
+    micro = cfg.actor.ppo_micro_batch_size_per_gpu
+    if not cfg.actor.use_dynamic_bsz:
+        if micro > mini_per_gpu:
+            micro = mini_per_gpu  # one micro-batch holds the whole per-GPU mini-batch
+        if mini_per_gpu % micro:
+            raise ConfigError(
+                f"actor.ppo_micro_batch_size_per_gpu ({micro}) must divide the per-GPU mini-batch "
+                f"(ppo_mini_batch_size * rollout.n / n_gpus = {mini_per_gpu}); "
+                f"try {_divisor_near(mini_per_gpu, micro)}")
+    min_tokens = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if cfg.actor.use_dynamic_bsz and cfg.actor.ppo_max_token_len_per_gpu < min_tokens:
+        raise ConfigError(
+            f"actor.ppo_max_token_len_per_gpu ({cfg.actor.ppo_max_token_len_per_gpu}) must hold one full "
+            f"sequence (max_prompt_length + max_response_length = {min_tokens}); raise it")
+    return Sizes(
+        world_size=ws,
+        prompts_per_step=bsz,
+        responses_per_step=bsz * n,
+        prompts_per_round=bsz * cfg.trainer.steps_per_round,
+        responses_per_round=bsz * n * cfg.trainer.steps_per_round,
+        num_mini_batches=bsz // mini,
+        mini_batch_responses=mini_resp,
+        mini_batch_per_gpu=mini_per_gpu,
+        micro_batch_per_gpu=micro,
+        grad_accum_steps=mini_per_gpu // micro if not cfg.actor.use_dynamic_bsz else 0,
+        responses_per_gpu=bsz * n // ws,
+    )
+
+
+def _divisor_near(total: int, want: int) -> int:
+    divisors = [d for d in range(1, total + 1) if total % d == 0]
+    return min(divisors, key=lambda d: (abs(d - want), -d))

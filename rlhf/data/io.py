@@ -1,0 +1,369 @@
+"""Read, validate and atomically write prompt tables.
+
+`read_prompts` accepts the flat layout of `schemas.PromptSchema` and verl's nested
+layout (as written by verl's `examples/data_preprocess/gsm8k.py`):
+
+    data_source: str, prompt: list<struct{role, content}>, ability: str,
+    reward_model: struct{style, ground_truth}, extra_info: struct{...}
+
+and returns the flat one: the chat list becomes its JSON string, `reward_model` becomes
+`reward_style` / `ground_truth`, `extra_info` becomes a JSON object string, and any other
+column is kept inside `extra_info` under its own name. Every row is validated; a bad row
+raises `DataValidationError` naming the file, row and column, unless `drop_invalid`
+drops it (the count is in `df.attrs["n_dropped"]`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import posixpath
+import tempfile
+from typing import Any, Sequence
+
+import fsspec
+import pandas as pd
+import pandera.errors
+import pyarrow as pa
+import pyarrow.parquet as pq
+from fsspec.core import split_protocol
+from fsspec.implementations.local import LocalFileSystem
+
+from schemas import DATAFRAME_CHECK_COLUMNS, PromptSchema
+
+FLAT_COLUMNS = ("prompt", "data_source", "ability", "reward_style", "ground_truth", "extra_info")
+_LOCAL_PROTOCOLS = (None, "file", "local")
+_MAX_ROWS_SHOWN = 5
+_LAYOUT_HINT = (
+    "a prompt file needs columns prompt, data_source, ability and either reward_model "
+    "{style, ground_truth} (verl layout) or reward_style + ground_truth (flat layout); extra_info is optional")
+
+
+class DataValidationError(ValueError):
+    """A dataset file or row is invalid; the message names the file, row, column and what to do."""
+
+
+# ---------------------------------------------------------------------------------
+# Paths
+# ---------------------------------------------------------------------------------
+
+
+def resolve_path(path: str, base_dir: str = "") -> str:
+    """`path` checked against `base_dir` (if set): it may not resolve outside it.
+
+    A relative local path is taken relative to `base_dir` when one is set.
+    """
+    if not path:
+        raise DataValidationError("empty dataset path; set data.train_files / data.val_files to a parquet "
+                                  "file, a directory of parquet files or an fsspec URI")
+    if not base_dir:
+        return path
+    proto, rest = split_protocol(path)
+    base_proto, base_rest = split_protocol(base_dir)
+    local, base_local = proto in _LOCAL_PROTOCOLS, base_proto in _LOCAL_PROTOCOLS
+    if local != base_local or (not local and proto != base_proto):
+        raise DataValidationError(f"dataset path {path!r} is not on the same filesystem as data.base_dir "
+                                  f"{base_dir!r}; move the data under data.base_dir or change it")
+    if local:
+        base = os.path.realpath(base_rest)
+        resolved = os.path.realpath(os.path.join(base, rest))
+        inside = os.path.commonpath([resolved, base]) == base
+    else:
+        base = posixpath.normpath("/" + base_rest)
+        resolved = posixpath.normpath("/" + rest)
+        inside = resolved == base or resolved.startswith(base.rstrip("/") + "/")
+    if not inside:
+        raise DataValidationError(f"dataset path {path!r} resolves to {resolved!r}, outside data.base_dir "
+                                  f"{base_dir!r}; move the data under data.base_dir or change data.base_dir")
+    return resolved if local else f"{proto}://{resolved.lstrip('/')}"
+
+
+def list_parquet_files(path: str) -> tuple[fsspec.AbstractFileSystem, list[str]]:
+    """A file, or the sorted `*.parquet` files of a directory, on any fsspec filesystem."""
+    fs, root = fsspec.core.url_to_fs(path)
+    if fs.isdir(root):
+        files = sorted(fs.glob(posixpath.join(root.rstrip("/"), "*.parquet")))
+        if not files:
+            raise DataValidationError(f"{path}: directory has no *.parquet files; point the path at a parquet "
+                                      "file or a directory holding some")
+        return fs, files
+    if not fs.exists(root):
+        raise DataValidationError(f"{path}: no such file or directory; check data.train_files / data.val_files")
+    return fs, [root]
+
+
+def _display_name(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    return path if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(path)
+
+
+def _read_table(fs: fsspec.AbstractFileSystem, path: str, name: str) -> pa.Table:
+    try:
+        with fs.open(path, "rb") as f:
+            return pq.read_table(f)
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise DataValidationError(
+            f"{name}: cannot be read as parquet ({type(e).__name__}: {e}); check that the file is complete and "
+            "really parquet (re-create it, e.g. with `python -m rlhf.data.gsm8k`)") from e
+
+
+# ---------------------------------------------------------------------------------
+# verl layout -> flat layout
+# ---------------------------------------------------------------------------------
+
+
+def _json_default(obj: Any) -> Any:
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    if isinstance(obj, bytes):
+        return obj.decode("utf-8", "replace")
+    if isinstance(obj, (datetime.date, datetime.datetime, datetime.time)):
+        return obj.isoformat()
+    return str(obj)
+
+
+def to_json(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, default=_json_default)
+
+
+def _as_text(value: Any) -> str | None:
+    """verl's ground_truth may be any JSON value; the flat column is a string."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    return to_json(value)
+
+
+def _chat_to_json(messages: list[dict] | None) -> str | None:
+    if messages is None:
+        return None
+    # A list<struct> column unifies message fields across rows; unset ones come back as None.
+    return to_json([{k: v for k, v in m.items() if v is not None} for m in messages])
+
+
+def _prompt_values(table: pa.Table) -> list[Any]:
+    column = table.column("prompt")
+    values = column.to_pylist()
+    if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+        return [_chat_to_json(v) for v in values]
+    return values
+
+
+def _reward_values(table: pa.Table, name: str) -> tuple[list[Any], list[Any]]:
+    names = table.column_names
+    if "reward_model" not in names:
+        return table.column("reward_style").to_pylist(), table.column("ground_truth").to_pylist()
+    if "reward_style" in names or "ground_truth" in names:
+        raise DataValidationError(f"{name}: has both reward_model and reward_style/ground_truth columns; "
+                                  "keep one layout (verl's reward_model struct or the flat columns)")
+    column = table.column("reward_model")
+    if not pa.types.is_struct(column.type) or column.type.get_field_index("style") < 0:
+        raise DataValidationError(f"{name}: column 'reward_model' has type {column.type}, expected "
+                                  "struct<style: string, ground_truth: ...> as verl writes it")
+    rows = column.to_pylist()
+    styles = [None if r is None else r.get("style") for r in rows]
+    truths = [None if r is None else _as_text(r.get("ground_truth")) for r in rows]
+    return styles, truths
+
+
+def _extra_info_values(table: pa.Table, extra_columns: Sequence[str]) -> list[Any]:
+    n = table.num_rows
+    if "extra_info" in table.column_names:
+        column = table.column("extra_info")
+        values = column.to_pylist()
+        if pa.types.is_map(column.type):
+            values = [None if v is None else dict(v) for v in values]
+    else:
+        values = [None] * n
+    values = [{} if v is None else v for v in values]
+    if extra_columns:
+        extras = {c: table.column(c).to_pylist() for c in extra_columns}
+        values = [_merge_extra(v, {c: extras[c][i] for c in extra_columns}) for i, v in enumerate(values)]
+    return [v if isinstance(v, str) else to_json(v) for v in values]
+
+
+def _merge_extra(info: Any, extra: dict) -> Any:
+    if isinstance(info, str):
+        try:
+            parsed = json.loads(info)
+        except ValueError:
+            return info  # left for validation to report
+        if not isinstance(parsed, dict):
+            return info
+        info = parsed
+    if not isinstance(info, dict):
+        return info
+    return {**extra, **info}
+
+
+def flatten_verl(table: pa.Table, name: str = "<table>") -> pd.DataFrame:
+    """verl's nested layout (or the flat one) -> a DataFrame with the flat columns, unvalidated."""
+    names = table.column_names
+    has_flat_reward = "reward_style" in names and "ground_truth" in names
+    missing = [c for c in ("prompt", "data_source", "ability") if c not in names]
+    if "reward_model" not in names and not has_flat_reward:
+        missing.append("reward_model (or reward_style + ground_truth)")
+    if missing:
+        raise DataValidationError(f"{name}: missing column(s) {', '.join(missing)}; {_LAYOUT_HINT}; "
+                                  f"found columns {', '.join(names) or '(none)'}")
+    styles, truths = _reward_values(table, name)
+    known = set(FLAT_COLUMNS) | {"reward_model"}
+    extra_columns = [c for c in names if c not in known and not c.startswith("__index_level_")]
+    return pd.DataFrame({
+        "prompt": _prompt_values(table),
+        "data_source": table.column("data_source").to_pylist(),
+        "ability": table.column("ability").to_pylist(),
+        "reward_style": styles,
+        "ground_truth": truths,
+        "extra_info": _extra_info_values(table, extra_columns),
+    })
+
+
+# ---------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------
+
+
+def _short(value: Any) -> str:
+    text = repr(value.item() if hasattr(value, "item") else value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _cell(df: pd.DataFrame, row: int, column: str) -> str:
+    return _short(df.at[row, column]) if column in df.columns and row in df.index else "?"
+
+
+def _problems(failures: pd.DataFrame, df: pd.DataFrame, schema: type) -> tuple[list[str], set[int], bool]:
+    """Readable lines, the bad row indices, and whether some problem is not about single rows."""
+    name = getattr(schema.Config, "name", schema.__name__)
+    missing = failures[failures["check"] == "column_in_dataframe"]
+    if len(missing):  # the other checks cannot run without these columns
+        cols = ", ".join(repr(c) for c in missing["failure_case"])
+        return [f"missing column(s) {cols}; expected columns {', '.join(schema.to_schema().columns)}"], set(), True
+    failures = failures.assign(column=[DATAFRAME_CHECK_COLUMNS.get(k, c)
+                                       for c, k in zip(failures["column"], failures["check"])])
+    is_dtype = failures["check"].astype(str).str.startswith("dtype(")
+    bad_dtype_columns = set(failures.loc[is_dtype, "column"])
+    lines: list[str] = []
+    bad_rows: set[int] = set()
+    table_level = False
+    for (column, check), group in failures.groupby(["column", "check"], sort=False, dropna=False):
+        rows = sorted({int(i) for i in group["index"] if i is not None and not pd.isna(i)})
+        if check == "column_in_schema":
+            table_level = True
+            lines.append(f"unexpected column(s) {', '.join(repr(c) for c in group['failure_case'])}: "
+                         f"{name} is strict; drop or rename them")
+        elif str(check).startswith("dtype("):
+            table_level = True
+            want = schema.to_schema().columns[column].dtype.type
+            shown = "; ".join(f"row {r}: {_cell(df, r, column)}" for r in rows[:_MAX_ROWS_SHOWN])
+            lines.append(f"column {column!r} has dtype {df[column].dtype}, expected "
+                         f"{getattr(want, '__name__', want)} values ({shown})")
+        elif not rows:
+            if column not in bad_dtype_columns:  # a check that crashed on a wrongly typed column is noise
+                table_level = True
+                lines.append(f"column {column!r} failed check {check!r}: {_short(group['failure_case'].iloc[0])}")
+        else:
+            bad_rows.update(rows)
+            expected = "a value (not null)" if check == "not_nullable" else check
+            shown = "; ".join(f"row {r}: got {_cell(df, r, column)}" for r in rows[:_MAX_ROWS_SHOWN])
+            more = f" (and {len(rows) - _MAX_ROWS_SHOWN} more rows)" if len(rows) > _MAX_ROWS_SHOWN else ""
+            lines.append(f"column {column!r}, expected {expected}: {shown}{more}")
+    return lines, bad_rows, table_level
+
+
+def validate_frame(df: pd.DataFrame, schema: type = PromptSchema, source: str = "<dataframe>",
+                   drop_invalid: bool = False) -> pd.DataFrame:
+    """Validate `df` against a pandera model; returns it with a fresh RangeIndex.
+
+    Row indices in messages are positions in `df` (rows of the file it came from).
+    `drop_invalid` drops rows that fail row-wise checks and sets `attrs["n_dropped"]`;
+    missing/extra columns and wrong dtypes always raise.
+    """
+    name = getattr(schema.Config, "name", schema.__name__)
+    if len(df) == 0:
+        raise DataValidationError(f"{source}: the dataset has no rows; point the path at a non-empty dataset")
+    df = df.reset_index(drop=True)
+    try:
+        out = schema.validate(df, lazy=True)
+        out.attrs["n_dropped"] = 0
+        return out
+    except pandera.errors.SchemaErrors as e:
+        lines, bad_rows, table_level = _problems(e.failure_cases, df, schema)
+    if table_level or not drop_invalid:
+        fix = ("fix the columns in the file (or in the code that built the table)" if table_level else
+               "fix these rows, or set data.drop_invalid=true to drop invalid rows (they are counted)")
+        raise DataValidationError(f"{source}: {len(lines)} problem(s) against {name}:\n  - "
+                                  + "\n  - ".join(lines) + f"\n{fix}")
+    if len(bad_rows) == len(df):
+        raise DataValidationError(f"{source}: all {len(df)} rows are invalid against {name}:\n  - "
+                                  + "\n  - ".join(lines))
+    kept = df.drop(index=sorted(bad_rows)).reset_index(drop=True)
+    out = schema.validate(kept, lazy=True)
+    out.attrs["n_dropped"] = len(bad_rows)
+    return out
+
+
+def validate_prompts(df: pd.DataFrame, source: str = "<dataframe>", drop_invalid: bool = False) -> pd.DataFrame:
+    """`validate_frame` against `PromptSchema`."""
+    return validate_frame(df, PromptSchema, source, drop_invalid)
+
+
+# ---------------------------------------------------------------------------------
+# Reading and writing
+# ---------------------------------------------------------------------------------
+
+
+def read_prompts(path: str | Sequence[str], drop_invalid: bool = False, base_dir: str = "") -> pd.DataFrame:
+    """Prompt table(s) at `path` (file, directory of *.parquet, fsspec URI, or a list of them), flat and validated.
+
+    `df.attrs`: `n_dropped` (rows dropped by `drop_invalid`), `source` (the path(s) given).
+    """
+    paths = [path] if isinstance(path, str) else list(path)
+    if not paths:
+        raise DataValidationError("no dataset path given; set data.train_files / data.val_files")
+    frames, n_dropped = [], 0
+    for p in paths:
+        fs, files = list_parquet_files(resolve_path(p, base_dir))
+        for f in files:
+            name = _display_name(fs, f)
+            df = validate_prompts(flatten_verl(_read_table(fs, f, name), name), name, drop_invalid)
+            n_dropped += df.attrs["n_dropped"]
+            frames.append(df)
+    out = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+    out.attrs = {"n_dropped": n_dropped, "source": path if isinstance(path, str) else ",".join(paths)}
+    return out
+
+
+def write_table_atomic(table: pa.Table, path: str) -> None:
+    """Write parquet so that readers see the old file or the new one, never a partial one.
+
+    Local paths: a temp file in the same directory, fsynced, then `os.replace`. Object
+    stores (s3://, gs://, ...): one whole-object put, which those stores make atomic.
+    """
+    fs, target = fsspec.core.url_to_fs(path)
+    if not isinstance(fs, LocalFileSystem):
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink)
+        fs.pipe_file(target, sink.getvalue().to_pybytes())
+        return
+    directory = os.path.dirname(os.path.abspath(target))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(target)}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def write_parquet_atomic(df: pd.DataFrame, path: str) -> None:
+    """`df` (index dropped) to parquet at `path`, atomically (see `write_table_atomic`)."""
+    write_table_atomic(pa.Table.from_pandas(df, preserve_index=False), path)

@@ -1,0 +1,136 @@
+"""Supervised warm-start: next-token loss on the response tokens only.
+
+Each example is `prompt_ids + response_ids + [eos]`; the labels are -100 on the prompt,
+so only the response and its closing EOS are learned (the policy must learn to stop).
+AdamW with linear warmup, then cosine decay to `min_lr_ratio * lr` (or constant).
+The run ends at whichever comes first: `max_steps`, `epochs`, `max_seconds`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from rlhf.config import SFTConfig
+
+IGNORE = -100
+
+
+def build_sft_example(prompt_ids: list[int], response_ids: list[int], eos_id: int) -> tuple[list[int], list[int]]:
+    """(input_ids, labels): labels are -100 on prompt tokens, the tokens themselves on response + EOS."""
+    ids = list(prompt_ids) + list(response_ids) + [eos_id]
+    labels = [IGNORE] * len(prompt_ids) + list(response_ids) + [eos_id]
+    return ids, labels
+
+
+def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded `input_ids`, `attention_mask`, `labels`, each (B, T)."""
+    width = max(len(ids) for ids, _ in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, (x, y) in enumerate(examples):
+        ids[i, : len(x)] = torch.tensor(x)
+        labels[i, : len(y)] = torch.tensor(y)
+        mask[i, : len(x)] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def sft_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of token t+1 given tokens <= t, over positions whose label is not -100.
+
+    logits: (B, T, V); labels: (B, T) with -100 on prompt and padding.
+    """
+    shift_logits = logits[:, :-1].float()  # (B, T-1, V)
+    shift_labels = labels[:, 1:]  # (B, T-1)
+    return F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1),
+                           ignore_index=IGNORE)
+
+
+def lr_at(step: int, total_steps: int, cfg: SFTConfig) -> float:
+    """Linear warmup over `warmup_steps`, then cosine to `min_lr_ratio * lr` (or constant)."""
+    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    span = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def planned_steps(n_examples: int, cfg: SFTConfig) -> int:
+    """Optimizer steps the run is scheduled for (the cosine horizon)."""
+    per_epoch = math.ceil(n_examples / cfg.batch_size)
+    total = per_epoch * cfg.epochs
+    return min(total, cfg.max_steps) if cfg.max_steps > 0 else total
+
+
+def tokenize_pairs(tokenizer, prompts: list[str], responses: list[str]) -> list[tuple[list[int], list[int]]]:
+    """Prompts are encoded as the rollout encodes them (`tokenizer(text)`, BOS included)."""
+    if len(prompts) != len(responses):
+        raise ValueError(f"sft_warm_start: {len(prompts)} prompts but {len(responses)} responses; "
+                         f"pass one response per prompt")
+    p_ids = tokenizer(list(prompts))["input_ids"]
+    r_ids = tokenizer(list(responses), add_special_tokens=False)["input_ids"]
+    return [build_sft_example(p, r, tokenizer.eos_token_id) for p, r in zip(p_ids, r_ids)]
+
+
+def sft_warm_start(model, tokenizer, prompts: list[str], responses: list[str], cfg: SFTConfig, seed: int = 0,
+                   progress: bool = True, log_every: int | None = None) -> dict[str, float]:
+    """Fine-tune `model` in place on (prompt, response) pairs.
+
+    Returns `{"sft/steps", "sft/epochs", "sft/loss" (mean of the last epoch or the last
+    `log_every` steps), "sft/seconds", "sft/tokens"}`. Prints a line every `log_every` steps.
+    """
+    if cfg.lr_schedule not in ("cosine", "constant"):
+        raise ValueError(f"model.sft.lr_schedule is {cfg.lr_schedule!r}; choose 'cosine' or 'constant'")
+    examples = tokenize_pairs(tokenizer, prompts, responses)
+    if not examples:
+        raise ValueError("sft_warm_start: no examples; pass at least one (prompt, response) pair")
+    device = next(model.parameters()).device
+    total = planned_steps(len(examples), cfg)
+    log_every = log_every or cfg.log_every
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(seed)
+    model.train()
+    start, step, epoch, tokens = time.perf_counter(), 0, 0, 0
+    recent: list[float] = []
+    done = False
+    while not done and epoch < cfg.epochs:
+        order = torch.randperm(len(examples), generator=gen).tolist()
+        for i in range(0, len(order), cfg.batch_size):
+            batch = {k: v.to(device) for k, v in collate([examples[j] for j in order[i: i + cfg.batch_size]],
+                                                        tokenizer.pad_token_id).items()}
+            loss = _train_step(model, opt, batch, lr_at(step, total, cfg), cfg.grad_clip)
+            step += 1
+            tokens += int(batch["attention_mask"].sum())
+            recent = (recent + [loss])[-log_every:]
+            elapsed = time.perf_counter() - start
+            if progress and (step % log_every == 0 or step == total):
+                print(f"sft step {step}/{total} epoch {epoch} loss {sum(recent) / len(recent):.4f} "
+                      f"lr {lr_at(step - 1, total, cfg):.2e} {elapsed:.1f}s", flush=True)
+            if step >= total or elapsed >= cfg.max_seconds:
+                done = True
+                break
+        epoch += 1
+    model.eval()
+    return {"sft/steps": step, "sft/epochs": epoch, "sft/loss": sum(recent) / len(recent),
+            "sft/seconds": time.perf_counter() - start, "sft/tokens": tokens}
+
+
+def _train_step(model, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor], lr: float,
+                grad_clip: float) -> float:
+    for group in opt.param_groups:
+        group["lr"] = lr
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    loss = sft_loss(logits, batch["labels"])
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    opt.step()
+    return float(loss.detach())

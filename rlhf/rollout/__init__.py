@@ -1,0 +1,46 @@
+"""Rollout engines, chosen by `rollout.name` through the `ENGINES` registry.
+
+- "hf": `HFRolloutEngine`, a transformers model in this process (CPU or one GPU).
+- "vllm": `VLLMRolloutEngine` from `rlhf.rollout.vllm`, imported only when asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from rlhf.config import RolloutConfig
+from rlhf.registry import Registry
+from rlhf.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
+
+EngineFactory = Callable[..., RolloutEngine]
+ENGINES: Registry[EngineFactory] = Registry("rollout engine")
+
+__all__ = ["ENGINES", "RolloutBatch", "RolloutEngine", "SamplingParams", "make_engine"]
+
+
+@ENGINES.register("hf")
+def _make_hf(model_dir: str, tokenizer, cfg: RolloutConfig, model=None, seed: int = 0,
+             device: str = "auto", dtype: str = "float32") -> RolloutEngine:
+    from rlhf.models.load import load_causal_lm
+    from rlhf.rollout.hf import HFRolloutEngine
+
+    if model is None:
+        model = load_causal_lm(model_dir, dtype=dtype)
+    return HFRolloutEngine(model, tokenizer, batch_size=cfg.generate_batch_size, device=device, seed=seed)
+
+
+@ENGINES.register("vllm")
+def _make_vllm(model_dir: str, tokenizer, cfg: RolloutConfig, model=None, seed: int = 0,
+               device: str = "auto", dtype: str = "float32") -> RolloutEngine:
+    from rlhf.rollout.vllm import VLLMRolloutEngine  # heavy; only when asked for
+
+    return VLLMRolloutEngine(model_dir, cfg, seed)
+
+
+def make_engine(name: str, model_dir: str, tokenizer, cfg: RolloutConfig, model=None, seed: int = 0,
+                device: str = "auto", dtype: str = "float32") -> RolloutEngine:
+    """The engine registered as `name`; "hf" uses `model` when given, else loads `model_dir`.
+
+    vLLM always loads `model_dir` itself (its weights live in its own workers).
+    """
+    return ENGINES.get(name)(model_dir, tokenizer, cfg, model=model, seed=seed, device=device, dtype=dtype)

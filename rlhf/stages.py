@@ -1,0 +1,219 @@
+"""The stages of a PPO round, as plain functions with typed inputs and outputs.
+
+    prepare_data -> sample_prompts -> rollout -> score -> (to_buffer) update -> evaluate -> decide
+
+The in-process loop (`rlhf.train`) composes them; each Flyte task wraps exactly one;
+the Flyte workflow composes them in the same order. Tables that cross stage
+boundaries follow the pandera models in `schemas/`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from rlhf.config import PPOConfig, derive_sizes
+from rlhf.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
+from rlhf.state import RoundState
+from rlhf.trainer.batch import PPOBatch, collate
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DataBundle:
+    train: pd.DataFrame  # PromptSchema
+    val: pd.DataFrame  # PromptSchema
+    sft: pd.DataFrame | None  # PromptSchema, labeled problems for the default warm-start
+
+
+# -- prepare ----------------------------------------------------------------------------------
+
+
+def prepare_data(cfg: PPOConfig) -> DataBundle:
+    """Read the configured parquet files, or build the synthetic arithmetic splits."""
+    d = cfg.data
+    if d.train_files:
+        from rlhf.data.io import read_prompts
+
+        train = read_prompts(d.train_files, drop_invalid=d.drop_invalid, base_dir=d.base_dir)
+        if not d.val_files:
+            raise ValueError("data.train_files is set but data.val_files is empty; give a validation parquet")
+        val = read_prompts(d.val_files, drop_invalid=d.drop_invalid, base_dir=d.base_dir)
+        return DataBundle(train=train, val=val, sft=None)
+    from rlhf.data.arithmetic import make_splits
+
+    splits = make_splits(d.synthetic)
+    return DataBundle(train=splits["train"], val=splits["val"], sft=splits["sft"])
+
+
+def prepare_policy(cfg: PPOConfig, out_dir: str | os.PathLike, data: DataBundle) -> str:
+    """The starting (and reference) policy directory: `model.path`, or the tiny default model
+    built and SFT-warm-started in code (cached in `<out_dir>/base_model`)."""
+    if cfg.model.path:
+        from rlhf.models.load import check_model_source
+
+        return check_model_source(cfg.model.path, allow_network=cfg.model.allow_network)
+    base = Path(out_dir) / "base_model"
+    if (base / "config.json").is_file():
+        return str(base)
+    if data.sft is None:
+        raise ValueError("the default tiny model needs the synthetic SFT split; set model.path to use your data")
+    from rlhf.models.default import build_default_policy
+
+    return build_default_policy(cfg, str(base), data.sft)
+
+
+# -- sample -----------------------------------------------------------------------------------
+
+
+def sample_prompts(train: pd.DataFrame, state: RoundState, cfg: PPOConfig) -> tuple[pd.DataFrame, RoundState]:
+    """The round's prompts (`steps_per_round * train_batch_size` rows), from a seeded
+    per-epoch shuffle; the sampler position is carried in the state."""
+    from rlhf.data.sampling import PromptSampler
+
+    n = cfg.trainer.steps_per_round * cfg.data.train_batch_size
+    sampler = PromptSampler(len(train), n, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
+    sampler.load_state_dict({"epoch": state.epoch, "cursor": state.cursor})
+    idx = sampler.next_indices()
+    pos = sampler.state_dict()
+    new = RoundState(**{**state.__dict__, "epoch": pos["epoch"], "cursor": pos["cursor"]})
+    return train.iloc[idx].reset_index(drop=True), new
+
+
+def shard(df: pd.DataFrame, steps: int, rank: int, world: int) -> pd.DataFrame:
+    """This rank's rows: each step's block of rows split into `world` contiguous parts."""
+    if world == 1:
+        return df
+    per_step = len(df) // steps
+    if per_step % world:
+        raise ValueError(f"{per_step} rows per step cannot be split over {world} ranks")
+    part = per_step // world
+    blocks = [df.iloc[s * per_step + rank * part: s * per_step + (rank + 1) * part] for s in range(steps)]
+    return pd.concat(blocks).reset_index(drop=True)
+
+
+# -- rollout ----------------------------------------------------------------------------------
+
+
+def tokenize(prompts: pd.DataFrame, tokenizer, cfg: PPOConfig) -> list[list[int]]:
+    from rlhf.data.sampling import tokenize_prompts
+
+    return tokenize_prompts(prompts["prompt"].tolist(), tokenizer, cfg.data.max_prompt_length,
+                            truncation=cfg.data.truncation, prompt_format=cfg.data.prompt_format)
+
+
+def sampling_params(cfg: PPOConfig, seed: int | None = None) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                          max_tokens=cfg.data.max_response_length, seed=seed)
+
+
+def rollout(engine: RolloutEngine, tokenizer, prompts: pd.DataFrame, cfg: PPOConfig, seed: int) -> pd.DataFrame:
+    """Sample `rollout.n` responses per prompt; returns a RolloutSchema table (prompt groups contiguous)."""
+    from schemas import dump_json_column
+
+    ids = tokenize(prompts, tokenizer, cfg)
+    batch: RolloutBatch = engine.generate(ids, sampling_params(cfg, seed))
+    rows = prompts.iloc[batch.prompt_index].reset_index(drop=True)
+    out = rows.assign(
+        response=batch.response_text,
+        prompt_ids=dump_json_column(batch.prompt_ids),
+        response_ids=dump_json_column(batch.response_ids),
+        group_id=np.asarray(batch.group_ids, dtype=np.int64),
+        rollout_logprobs=dump_json_column(batch.logprobs),
+        finish_reason=batch.finish_reason,
+    )
+    return out
+
+
+def rollout_metrics(rollouts: pd.DataFrame, cfg: PPOConfig) -> dict[str, float]:
+    lengths = np.array([len(json.loads(r)) for r in rollouts["response_ids"]], dtype=np.float64)
+    p_lengths = np.array([len(json.loads(r)) for r in rollouts["prompt_ids"]], dtype=np.float64)
+    return {
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/min": float(lengths.min()),
+        "response_length/clip_ratio": float((rollouts["finish_reason"] == "length").mean()),
+        "prompt_length/mean": float(p_lengths.mean()),
+    }
+
+
+# -- score ------------------------------------------------------------------------------------
+
+
+def score(rollouts: pd.DataFrame, cfg: PPOConfig, reward_model=None) -> pd.DataFrame:
+    """Add the reward function's (or reward model's) `score` column: a ScoredRolloutSchema table."""
+    from rlhf.rewards import compute_scores
+
+    extra = [json.loads(x) if x else {} for x in rollouts["extra_info"]]
+    gts = [None if pd.isna(g) else g for g in rollouts["ground_truth"]]
+    scores = compute_scores(rollouts["data_source"].tolist(), rollouts["response"].tolist(), gts, extra,
+                            rollouts["reward_style"].tolist(), cfg.reward, reward_model=reward_model)
+    return rollouts.assign(score=np.asarray(scores, dtype=np.float64))
+
+
+def load_reward_model(cfg: PPOConfig, device: torch.device):
+    if not cfg.reward.model_path:
+        return None
+    from rlhf.rewards.model import RewardModel
+
+    return RewardModel(cfg.reward.model_path, batch_size=cfg.reward.model_batch_size, device=device)
+
+
+# -- update -----------------------------------------------------------------------------------
+
+
+def to_buffer(scored: pd.DataFrame, pad_id: int, cfg: PPOConfig) -> PPOBatch:
+    """The scored table as the trainer's tensor layout (prompt width from the config)."""
+    from schemas import load_json_column
+
+    return collate(
+        prompt_ids=load_json_column(scored["prompt_ids"]),
+        response_ids=load_json_column(scored["response_ids"]),
+        scores=scored["score"].astype(float).tolist(),
+        group_ids=scored["group_id"].astype(int).tolist(),
+        pad_id=pad_id,
+        rollout_log_probs=load_json_column(scored["rollout_logprobs"]),
+        prompt_width=cfg.data.max_prompt_length,
+        response_width=cfg.data.max_response_length,
+    )
+
+
+def update(trainer, scored: pd.DataFrame, pad_id: int, cfg: PPOConfig) -> list[dict[str, float]]:
+    """`steps_per_round` PPO steps over this rank's share of the round's scored rollouts."""
+    buf = to_buffer(scored, pad_id, cfg).to(trainer.device)
+    return trainer.round(buf, cfg.trainer.steps_per_round)
+
+
+# -- evaluate ---------------------------------------------------------------------------------
+
+
+def evaluate(engine: RolloutEngine, tokenizer, val: pd.DataFrame, cfg: PPOConfig, reward_model=None
+             ) -> dict[str, float]:
+    """Greedy validation: flat `val-core/<source>/reward/mean@1` metrics and `val/accuracy`."""
+    from rlhf.evaluate import evaluate_greedy
+
+    return evaluate_greedy(engine, tokenizer, val, cfg.data.max_prompt_length, cfg.data.max_response_length,
+                           cfg.reward, reward_model=reward_model, prompt_format=cfg.data.prompt_format,
+                           truncation=cfg.data.truncation)
+
+
+def val_score(metrics: dict[str, float]) -> float:
+    """The one number early stopping, checkpoints and sweeps compare: mean val reward."""
+    return float(metrics["val/reward/mean"])
+
+
+def check_sizes(cfg: PPOConfig, world: int) -> None:
+    sizes = derive_sizes(cfg, world)
+    if cfg.algorithm.adv_estimator == "grpo" and cfg.data.train_batch_size % world:
+        raise ValueError(f"GRPO keeps each prompt's group on one rank: data.train_batch_size "
+                         f"({cfg.data.train_batch_size}) must be divisible by the {world} ranks")
+    del sizes

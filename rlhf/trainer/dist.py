@@ -1,0 +1,105 @@
+"""Process-group set-up and the few collectives the trainer needs.
+
+Under torchrun the environment names rank and world size; in a plain process we
+create a one-rank group ourselves so DeepSpeed never looks for MPI.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+def init_distributed(device: torch.device) -> tuple[int, int]:
+    """Initialise (or reuse) the default process group; returns (rank, world_size)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if world()[1] > 1:
+        t = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    if world()[1] > 1:
+        t = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
+
+
+def mean_across_ranks(values: dict[str, float]) -> dict[str, float]:
+    """Average a flat metrics dict over ranks (same keys on every rank)."""
+    if world()[1] == 1 or not values:
+        return values
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    t = all_reduce_sum(t) / world()[1]
+    return dict(zip(keys, t.tolist()))
+
+
+def barrier() -> None:
+    if world()[1] > 1:
+        dist.barrier()
+
+
+def broadcast_object(obj):
+    if world()[1] == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def masked_whiten_global(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Whiten with mean and variance over all ranks' masked entries, so that a sharded batch
+    gets exactly the advantages the whole batch would get in one process."""
+    stats = torch.stack([(x * mask).sum(), (x * x * mask).sum(), mask.sum()]).double()
+    s, ss, n = all_reduce_sum(stats).tolist()
+    n = max(n, 1.0)
+    mean = s / n
+    var = max(ss / n - mean * mean, 0.0) * (n / max(n - 1.0, 1.0))  # unbiased, as torch.var
+    return (x - mean) * torch.rsqrt(torch.tensor(var + eps, dtype=x.dtype)) * mask
+
+
+def all_gather_cat(t: torch.Tensor) -> torch.Tensor:
+    """Concatenate a same-shaped tensor from every rank along dim 0."""
+    _, ws = world()
+    if ws == 1:
+        return t
+    parts = [torch.zeros_like(t) for _ in range(ws)]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts)

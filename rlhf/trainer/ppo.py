@@ -1,0 +1,266 @@
+"""The PPO update: actor and critic DeepSpeed engines and a frozen reference.
+
+A round's buffer holds `steps_per_round` steps of responses. The stages, each timed:
+
+1. `behaviour_log_probs` - old log-probs of the round-start policy, for the whole buffer
+   (computed before the first update, so every step of the round is off-policy from the
+   same behaviour policy; S = 1 is verl's on-policy PPO);
+2. `reference_log_probs` - the frozen reference, for the whole buffer;
+then per step: 3. `critic_values` with the current critic, 4. `advantages` (KL penalty in
+the reward, token-level rewards, GAE or GRPO, whitening over all ranks), 5. `update_actor`,
+6. `update_critic`. The KL controller moves once per step, as verl's does.
+
+How it departs from the textbook: advantages are whitened per step over the global batch
+(verl's `compute_gae_advantage_return`); a step whose loss or gradients are not finite is
+dropped whole and counted, never applied.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from rlhf import algos
+from rlhf.config import PPOConfig, Sizes
+from rlhf.trainer import dist as D
+from rlhf.trainer import forward as F
+from rlhf.trainer.batch import PPOBatch
+from rlhf.trainer.engines import NonFiniteGuard, local_grad_norm, skip_step
+
+
+@dataclass
+class Timer:
+    times: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        yield
+        self.times[f"timing_s/{name}"] = self.times.get(f"timing_s/{name}", 0.0) + time.perf_counter() - t0
+
+
+def _stats(prefix: str, x: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, float]:
+    v = x[mask.bool()] if mask is not None else x.flatten()
+    if v.numel() == 0:
+        return {}
+    return {f"{prefix}/mean": float(v.mean()), f"{prefix}/max": float(v.max()), f"{prefix}/min": float(v.min())}
+
+
+class PPOTrainer:
+    """Owns the actor, critic and reference; `round()` runs the PPO steps over one buffer."""
+
+    def __init__(self, cfg: PPOConfig, sizes: Sizes, actor: torch.nn.Module, critic: torch.nn.Module | None,
+                 ref: torch.nn.Module | None, device: torch.device):
+        from rlhf.trainer.engines import build_engine, ds_config
+
+        self.cfg, self.sizes, self.device = cfg, sizes, device
+        a, c = cfg.actor, cfg.critic
+        self.actor = build_engine(actor.to(device), ds_config(cfg, a.lr, a.weight_decay, a.grad_clip,
+                                                              sizes.micro_batch_per_gpu, device))
+        self.actor_guard = NonFiniteGuard(self.actor.module)
+        self.critic = None
+        if critic is not None:
+            self.critic = build_engine(critic.to(device), ds_config(cfg, c.lr, c.weight_decay, c.grad_clip,
+                                                                    c.ppo_micro_batch_size_per_gpu, device))
+            self.critic_guard = NonFiniteGuard(self.critic.module)
+        self.ref = ref.to(device).eval() if ref is not None else None
+        k = cfg.algorithm.kl_ctrl
+        self.kl_ctrl = algos.make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
+        self.skipped_steps = 0
+        self.timer = Timer()
+
+    # -- helpers ---------------------------------------------------------------------
+    @property
+    def _packed(self) -> bool:
+        return self.cfg.data.use_sequence_packing
+
+    def _fwd_kw(self) -> dict:
+        a = self.cfg.actor
+        return dict(micro=self.sizes.micro_batch_per_gpu, packed=self._packed, dynamic=a.use_dynamic_bsz,
+                    max_tokens=a.ppo_max_token_len_per_gpu)
+
+    # -- stages ------------------------------------------------------------------------
+    def behaviour_log_probs(self, buf: PPOBatch) -> PPOBatch:
+        with self.timer("old_log_prob"):
+            self.actor.module.eval()
+            lp = F.batched_log_probs(self.actor.module, buf, temperature=self.cfg.rollout.temperature,
+                                     **self._fwd_kw())
+        return buf.with_(old_log_probs=lp)
+
+    def reference_log_probs(self, buf: PPOBatch) -> PPOBatch:
+        if self.ref is None:
+            return buf
+        with self.timer("ref"):
+            lp = F.batched_log_probs(self.ref, buf, temperature=self.cfg.rollout.temperature, **self._fwd_kw())
+        return buf.with_(ref_log_probs=lp)
+
+    def critic_values(self, batch: PPOBatch) -> PPOBatch:
+        if self.critic is None:
+            return batch
+        with self.timer("values"):
+            self.critic.module.eval()
+            kw = self._fwd_kw()
+            kw["micro"] = self.cfg.critic.ppo_micro_batch_size_per_gpu
+            v = F.batched_values(self.critic.module, batch, **kw)
+        return batch.with_(values=v)
+
+    def advantages(self, batch: PPOBatch) -> tuple[PPOBatch, dict[str, float]]:
+        """Token-level rewards (score at the last response token, minus the KL penalty when
+        `use_kl_in_reward`), then GAE or GRPO advantages."""
+        alg, mask = self.cfg.algorithm, batch.response_mask
+        metrics: dict[str, float] = {}
+        with self.timer("adv"):
+            kl = None
+            if batch.ref_log_probs is not None:
+                kl = algos.kl_penalty(batch.old_log_probs, batch.ref_log_probs, alg.kl_penalty) * mask
+            in_reward = alg.use_kl_in_reward and kl is not None
+            rewards, _ = algos.compute_token_level_rewards(batch.scores, mask, kl=kl if in_reward else None,
+                                                           kl_coef=self.kl_ctrl.value if in_reward else 0.0)
+            if kl is not None:
+                tok = D.all_reduce_sum(torch.stack([kl.sum(), mask.sum()]))
+                seq_kl = D.all_reduce_sum(torch.stack([(kl.sum(-1) / mask.sum(-1).clamp(min=1)).sum(),
+                                                       torch.tensor(float(len(batch)))]))
+                current_kl = float(seq_kl[0] / seq_kl[1])
+                metrics["actor/reward_kl_penalty"] = float(tok[0] / tok[1].clamp(min=1))
+                metrics["actor/reward_kl_penalty_coeff"] = self.kl_ctrl.value if in_reward else 0.0
+                metrics["actor/current_kl"] = current_kl
+                if in_reward:
+                    self.kl_ctrl.update(current_kl=current_kl, n_steps=self.sizes.responses_per_step)
+            if alg.adv_estimator == "gae":
+                adv, ret = algos.compute_gae(rewards, batch.values, mask, alg.gamma, alg.lam)
+                adv = D.masked_whiten_global(adv, mask)
+            else:
+                adv, ret = algos.compute_grpo_advantages(batch.scores, batch.group_ids, mask,
+                                                         norm_by_std=alg.norm_adv_by_std_in_grpo)
+        metrics.update(_stats("critic/rewards", rewards.sum(-1)))
+        metrics.update(_stats("critic/advantages", adv, mask))
+        metrics.update(_stats("critic/returns", ret, mask))
+        if batch.values is not None:
+            metrics.update(_stats("critic/values", batch.values, mask))
+        return batch.with_(token_level_rewards=rewards, advantages=adv, returns=ret), metrics
+
+    def _mini_batches(self, batch: PPOBatch) -> list[PPOBatch]:
+        n = self.sizes.mini_batch_per_gpu
+        return [batch.select(slice(i, i + n)) for i in range(0, len(batch), n)]
+
+    def _micro(self, mini: PPOBatch, micro: int) -> list[PPOBatch]:
+        a = self.cfg.actor
+        return F.micro_batches(mini, micro, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu)
+
+    def _actor_loss(self, mb: PPOBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        a = self.cfg.actor
+        want_entropy = True
+        lp, ent = F.log_probs(self.actor, mb, self.cfg.rollout.temperature, self._packed, with_entropy=want_entropy)
+        low = a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio
+        high = a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio
+        pg_loss, m = algos.policy_loss(lp, mb.old_log_probs, mb.advantages, mb.response_mask, low, high,
+                                       a.clip_ratio_c, a.loss_agg_mode)
+        entropy = algos.agg_loss(ent, mb.response_mask, a.loss_agg_mode)
+        loss = pg_loss - a.entropy_coeff * entropy
+        metrics = {"actor/pg_loss": float(pg_loss.detach()), "actor/entropy": float(entropy.detach()),
+                   **{f"actor/{k}": float(v) for k, v in m.items()}}
+        if a.use_kl_loss and mb.ref_log_probs is not None:
+            kl = algos.kl_penalty(lp, mb.ref_log_probs, a.kl_loss_type)
+            kl_loss = algos.agg_loss(kl, mb.response_mask, a.loss_agg_mode)
+            loss = loss + a.kl_loss_coef * kl_loss
+            metrics["actor/kl_loss"] = float(kl_loss.detach())
+            metrics["actor/kl_coef"] = a.kl_loss_coef
+        return loss, metrics
+
+    def _critic_loss(self, mb: PPOBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        c = self.cfg.critic
+        v = F.values(self.critic, mb, self._packed)
+        loss, m = algos.value_loss(v, mb.values, mb.returns, mb.response_mask, c.cliprange_value, c.loss_agg_mode)
+        return loss, {"critic/vf_loss": float(loss.detach()), **{f"critic/{k}": float(x) for k, x in m.items()}}
+
+    def _optimize(self, engine, guard: NonFiniteGuard, batch: PPOBatch, epochs: int, micro: int, loss_fn,
+                  prefix: str) -> dict[str, float]:
+        """`epochs` passes of mini-batch SGD with gradient accumulation over micro-batches."""
+        engine.train()
+        sums: dict[str, float] = {}
+        count = 0
+        grad_norms = []
+        for _ in range(epochs):
+            for mini in self._mini_batches(batch):
+                guard.reset()
+                finite = True
+                for mb in self._micro(mini, micro):
+                    loss, m = loss_fn(mb)
+                    finite &= bool(torch.isfinite(loss))
+                    if not finite:
+                        break  # the rest of this mini-batch would be dropped anyway
+                    engine.backward(loss * (len(mb) / len(mini)), scale_wrt_gas=False)
+                    for k, v in m.items():
+                        sums[k] = sums.get(k, 0.0) + v
+                    count += 1
+                gn = local_grad_norm(engine)
+                bad = D.all_reduce_max(torch.tensor(0.0 if finite else 1.0)).item() > 0 or guard.tripped()
+                if gn is not None:
+                    gn = math.sqrt(D.all_reduce_sum(torch.tensor(gn * gn)).item() / D.world()[1])
+                bad |= gn is not None and not math.isfinite(gn)
+                if bad:
+                    skip_step(engine)
+                    self.skipped_steps += 1
+                    continue
+                engine.step()
+                if gn is None:
+                    gn = engine.get_global_grad_norm()
+                if gn is not None:
+                    grad_norms.append(float(gn))
+        out = {k: v / max(count, 1) for k, v in sums.items()}
+        if grad_norms:
+            out[f"{prefix}/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        out[f"{prefix}/lr"] = engine.get_lr()[0]
+        return out
+
+    def update_actor(self, batch: PPOBatch) -> dict[str, float]:
+        with self.timer("update_actor"):
+            return self._optimize(self.actor, self.actor_guard, batch, self.cfg.actor.ppo_epochs,
+                                  self.sizes.micro_batch_per_gpu, self._actor_loss, "actor")
+
+    def update_critic(self, batch: PPOBatch) -> dict[str, float]:
+        if self.critic is None:
+            return {}
+        with self.timer("update_critic"):
+            m = self._optimize(self.critic, self.critic_guard, batch, self.cfg.critic.ppo_epochs,
+                               self.cfg.critic.ppo_micro_batch_size_per_gpu, self._critic_loss, "critic")
+        m["critic/vf_explained_var"] = float(algos.explained_variance(batch.values, batch.returns,
+                                                                      batch.response_mask))
+        return m
+
+    # -- composition -----------------------------------------------------------------------
+    def step(self, batch: PPOBatch) -> dict[str, float]:
+        """One PPO step over one step's share of the buffer (behaviour/ref log-probs present)."""
+        self.timer = Timer()
+        skipped_before = self.skipped_steps
+        batch = self.critic_values(batch)
+        batch, metrics = self.advantages(batch)
+        metrics.update(self.update_critic(batch))
+        metrics.update(self.update_actor(batch))
+        metrics = D.mean_across_ranks(metrics)
+        metrics.update(_stats("critic/score", D.all_gather_cat(batch.scores)))
+        metrics["training/skipped_steps"] = float(self.skipped_steps)
+        metrics["training/step_skipped"] = float(self.skipped_steps > skipped_before)
+        metrics.update(self.timer.times)
+        return metrics
+
+    def round(self, buf: PPOBatch, steps: int) -> list[dict[str, float]]:
+        """Run `steps` PPO steps over the round's buffer; returns one metrics dict per step."""
+        buf = self.behaviour_log_probs(buf)
+        buf = self.reference_log_probs(buf)
+        head_times = dict(self.timer.times)
+        per_step = len(buf) // steps
+        out = []
+        for s in range(steps):
+            m = self.step(buf.select(slice(s * per_step, (s + 1) * per_step)))
+            if s == 0:
+                for k, v in head_times.items():
+                    m[k] = m.get(k, 0.0) + v
+            out.append(m)
+        return out
+

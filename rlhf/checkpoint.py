@@ -64,3 +64,82 @@ def prune(output_dir: str | os.PathLike, keep: int) -> None:
     found = sorted(p for p in root.iterdir() if _NAME.match(p.name))
     for p in found[:-keep] if keep > 0 else []:
         shutil.rmtree(p, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------
+# Writing and restoring a trainer's state
+# ---------------------------------------------------------------------------------
+
+ENGINE_DIR = "engine"  # DeepSpeed engine state (weights, optimizer), one sub-directory per model
+ENGINE_TAG = "state"
+CONFIG_FILE = "config.yaml"
+
+
+def save(final: Path, trainer, tokenizer, cfg, state) -> Path:
+    """Write a complete checkpoint at `final`, atomically: every rank writes its engine
+    shards into a hidden temporary directory, rank 0 the safetensors models, the config
+    and `state.json`, then renames it into place. All ranks must call it."""
+    from rlhf.config import save_config
+    from rlhf.trainer import dist as D
+    from rlhf.trainer.engines import full_state_dict
+
+    rank = D.world()[0]
+    final = Path(final)
+    tmp = final.parent / f".tmp_{final.name}"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    D.barrier()
+    trainer.actor.save_checkpoint(str(tmp / ENGINE_DIR / "actor"), tag=ENGINE_TAG)
+    if trainer.critic is not None:
+        trainer.critic.save_checkpoint(str(tmp / ENGINE_DIR / "critic"), tag=ENGINE_TAG)
+    actor_sd = full_state_dict(trainer.actor)  # collective under ZeRO-3: every rank takes part
+    critic_sd = full_state_dict(trainer.critic) if trainer.critic is not None else None
+    if rank == 0:
+        save_module(trainer.actor.module, actor_sd, tokenizer, tmp / "actor")
+        if critic_sd is not None:
+            save_module(trainer.critic.module, critic_sd, tokenizer, tmp / "critic")
+        save_config(cfg, tmp / CONFIG_FILE)
+        (tmp / STATE_FILE).write_text(state.to_json())
+        commit(tmp, final)
+    D.barrier()
+    return final
+
+
+def save_module(module, state_dict, tokenizer, path: Path) -> None:
+    """A causal LM as `save_pretrained` with the given (gathered) weights; a critic as a ValueModel dir."""
+    from rlhf.models.load import save_model_atomic
+
+    if hasattr(module, "save_pretrained") and not hasattr(module, "value_head"):
+        module.save_pretrained(str(path), state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(str(path))
+    else:
+        save_model_atomic(module, tokenizer, str(path))
+
+
+def read_state(path: Path):
+    """The `RoundState` saved in checkpoint `path`."""
+    from rlhf.state import RoundState
+
+    return RoundState.from_json((Path(path) / STATE_FILE).read_text())
+
+
+def restore(trainer, path: Path, state=None):
+    """Load the DeepSpeed engine state (weights and optimizer) of checkpoint `path` into
+    `trainer`, then the round state (`state`, or the one saved there) into its KL controller
+    and skip counter. Returns that state."""
+    path = Path(path)
+    state = state if state is not None else read_state(path)
+    trainer.actor.load_checkpoint(str(path / ENGINE_DIR / "actor"), tag=ENGINE_TAG, load_module_strict=True,
+                                  load_lr_scheduler_states=False)
+    if trainer.critic is not None:
+        trainer.critic.load_checkpoint(str(path / ENGINE_DIR / "critic"), tag=ENGINE_TAG,
+                                       load_module_strict=True, load_lr_scheduler_states=False)
+    apply_state(trainer, state)
+    return state
+
+
+def apply_state(trainer, state) -> None:
+    """Carry the round state's KL coefficient and skipped-step count into the trainer."""
+    trainer.kl_ctrl.value = state.kl_coef
+    trainer.skipped_steps = state.skipped_steps

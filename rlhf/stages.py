@@ -156,16 +156,15 @@ def score(rollouts: pd.DataFrame, cfg: PPOConfig, reward_model=None) -> pd.DataF
     extra = [json.loads(x) if x else {} for x in rollouts["extra_info"]]
     gts = [None if pd.isna(g) else g for g in rollouts["ground_truth"]]
     scores = compute_scores(rollouts["data_source"].tolist(), rollouts["response"].tolist(), gts, extra,
-                            rollouts["reward_style"].tolist(), cfg.reward, reward_model=reward_model)
+                            rollouts["reward_style"].tolist(), cfg.reward, reward_model=reward_model,
+                            prompts=rollouts["prompt"].tolist())
     return rollouts.assign(score=np.asarray(scores, dtype=np.float64))
 
 
 def load_reward_model(cfg: PPOConfig, device: torch.device):
-    if not cfg.reward.model_path:
-        return None
-    from rlhf.rewards.model import RewardModel
+    from rlhf.rewards import load_reward_model as _load
 
-    return RewardModel(cfg.reward.model_path, batch_size=cfg.reward.model_batch_size, device=device)
+    return _load(cfg.reward, device=str(device))
 
 
 # -- update -----------------------------------------------------------------------------------

@@ -128,6 +128,15 @@ def test_logprobs_match_teacher_forced_hf(setup, temperature):
     assert worst < 1e-4, f"vLLM log-probs differ from HF log_softmax(logits/T) by {worst}"
 
 
+def test_top_k_one_is_greedy_with_renormalised_logprobs(setup):
+    engine, prompts = setup["engine"], setup["prompts"]
+    greedy = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    top1 = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, top_k=1, max_tokens=MAX_TOKENS))
+    assert top1.response_ids == [ids for ids in greedy.response_ids for _ in range(2)]
+    # processed log-probs are taken after top-k, so the only kept token has probability 1
+    assert all(abs(lp) < 1e-6 for lps in top1.logprobs for lp in lps)
+
+
 def test_update_weights_then_greedy_matches_new_model(setup):
     engine, tok, prompts, dirs = setup["engine"], setup["tok"], setup["prompts"], setup["dirs"]
     greedy = SamplingParams(n=1, temperature=0.0, max_tokens=MAX_TOKENS)

@@ -1,5 +1,6 @@
 import io
 import math
+import os
 import uuid
 
 import numpy as np
@@ -75,7 +76,7 @@ def test_format_step_uses_scientific_notation_for_tiny_and_huge_values():
     assert line == "step 7 | kl 1.500e-06 | vf_loss 1.235e+05"
 
 
-def test_sinks_satisfy_the_protocol(tmp_path):
+def test_sinks_satisfy_the_protocol():
     assert isinstance(NullSink(), Sink) and isinstance(ConsoleSink(), Sink)
     assert isinstance(MultiSink([NullSink()]), Sink)
 
@@ -118,6 +119,13 @@ def _check_run(client, run_id: str, cfg: PPOConfig) -> None:
     assert [f.path for f in client.list_artifacts(run_id, "reports")] == ["reports/summary.json"]
 
 
+@pytest.fixture(scope="module")
+def sqlite_uri(tmp_path_factory):
+    """One SQLite store for the module: creating a store runs MLflow's schema migrations (seconds)."""
+    root = tmp_path_factory.mktemp("mlflow_sqlite")
+    return f"sqlite:///{root}/mlflow.db"
+
+
 @pytest.fixture
 def artifact(tmp_path):
     path = tmp_path / "summary.json"
@@ -125,23 +133,22 @@ def artifact(tmp_path):
     return path
 
 
-def test_mlflow_sqlite_roundtrip(tmp_path, artifact):
+def test_mlflow_sqlite_roundtrip(sqlite_uri, artifact):
     from mlflow.tracking import MlflowClient
 
-    uri = f"sqlite:///{tmp_path}/store/mlflow.db"
-    (tmp_path / "store").mkdir()
     cfg = PPOConfig()
-    sink = MLflowSink(uri, experiment="exp-sqlite", run_name="run-1")
+    sink = MLflowSink(sqlite_uri, experiment="exp-sqlite", run_name="run-1")
     _log_run(sink, cfg, artifact)
 
-    client = MlflowClient(tracking_uri=uri)
+    client = MlflowClient(tracking_uri=sqlite_uri)
     _check_run(client, sink.run_id, cfg)
     assert client.get_run(sink.run_id).info.run_name == "run-1"
-    assert (tmp_path / "store" / "mlartifacts").is_dir(), "artifacts must sit beside the SQLite file"
+    store_dir = os.path.dirname(sqlite_uri[len("sqlite:///"):])
+    assert os.path.isdir(os.path.join(store_dir, "mlartifacts")), "artifacts must sit beside the SQLite file"
 
 
-def test_mlflow_logs_a_step_in_one_request(tmp_path):
-    sink = MLflowSink(f"sqlite:///{tmp_path}/mlflow.db", experiment="exp")
+def test_mlflow_logs_a_step_in_one_request(sqlite_uri):
+    sink = MLflowSink(sqlite_uri, experiment="exp-one-request")
     calls = []
     log_batch = sink.client.log_batch
     sink.client.log_batch = lambda *a, **k: (calls.append(k), log_batch(*a, **k))[1]
@@ -149,10 +156,10 @@ def test_mlflow_logs_a_step_in_one_request(tmp_path):
     assert len(calls) == 1 and len(calls[0]["metrics"]) == 30
 
 
-def test_mlflow_nested_run_and_resume(tmp_path):
+def test_mlflow_nested_run_and_resume(sqlite_uri):
     from mlflow.tracking import MlflowClient
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = sqlite_uri
     parent = MLflowSink(uri, experiment="sweep", run_name="study")
     child = MLflowSink(uri, experiment="sweep", run_name="trial-0", parent_run_id=parent.run_id)
     child.log_params({"actor.clip_ratio": 0.2})
@@ -176,11 +183,11 @@ def test_mlflow_nested_run_and_resume(tmp_path):
     assert sorted((m.step, m.value) for m in history) == [(0, 0.1), (1, 0.2)]
 
 
-def test_mlflow_resume_of_unknown_run_raises(tmp_path):
+def test_mlflow_resume_of_unknown_run_raises(sqlite_uri):
     from mlflow.exceptions import MlflowException
 
     with pytest.raises(MlflowException):
-        MLflowSink(f"sqlite:///{tmp_path}/mlflow.db", run_id="0123456789abcdef0123456789abcdef")
+        MLflowSink(sqlite_uri, run_id="0123456789abcdef0123456789abcdef")
 
 
 # ---------------------------------------------------------------------------------
@@ -211,7 +218,7 @@ def test_make_sink_builds_console_and_mlflow_from_config(tmp_path, monkeypatch):
     assert run.data.metrics == {"critic/score/mean": 1.0}
 
 
-def test_make_sink_none_unknown_and_single(tmp_path):
+def test_make_sink_none_unknown_and_single():
     cfg = PPOConfig()
     assert isinstance(make_sink(["none"], cfg), NullSink)
     assert isinstance(make_sink([], cfg), NullSink)

@@ -175,3 +175,33 @@ def test_two_ranks_match_one_rank(tmp_path):
     assert r0["vf_loss"] == pytest.approx(one["vf_loss"], rel=1e-3, abs=1e-4)
     assert r0["checksum"] == pytest.approx(one["checksum"], rel=1e-5)
     assert r0["max_param_diff_vs_start"] > 0
+
+
+@pytest.mark.slow
+def test_training_logs_to_mlflow_server_over_http(tmp_path, mlflow_server):
+    """Two rounds logged to a real `mlflow server`; read back with MlflowClient."""
+    from mlflow.tracking import MlflowClient
+
+    from rlhf.train import train
+
+    cfg = tiny_cfg(tmp_path, "trainer.total_rounds=2", "trainer.logger=[console,mlflow]",
+                   f"trainer.mlflow_tracking_uri={mlflow_server}", "trainer.project_name=ci-trainer",
+                   f"trainer.experiment_name=run-{tmp_path.name}")
+    summary = train(cfg)
+    client = MlflowClient(tracking_uri=mlflow_server)
+    exp = client.get_experiment_by_name("ci-trainer")
+    (run,) = client.search_runs([exp.experiment_id], f"tags.mlflow.runName = 'run-{tmp_path.name}'")
+    keys = set(run.data.metrics)
+    for name in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
+                 "critic/vf_loss", "critic/vf_explained_var", "critic/score/mean", "critic/advantages/mean",
+                 "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff", "response_length/mean",
+                 "response_length/clip_ratio", "timing_s/update_actor", "timing_s/gen", "perf/throughput",
+                 "val/accuracy"):
+        assert name in keys, name
+    assert any(k.startswith("val-core/synthetic/arithmetic/reward/mean") for k in keys)
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "actor/pg_loss")]
+    assert sorted(steps) == [1, 2] and summary["global_steps"] == 2
+    assert run.data.params["actor.clip_ratio"] == "0.2"
+    assert len(client.get_metric_history(run.info.run_id, "val/accuracy")) == 3  # before training + 2 rounds
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert "summary.json" in artifacts and "final_model" in artifacts

@@ -17,7 +17,8 @@ Choices, and why:
   with "CPU Generator does not use offset" once a seeded request's prefill is split
   into chunks, and the engine then hangs). Instead, in-process engines sample the
   call under `torch.manual_seed(seed)` inside `torch.random.fork_rng`, which makes
-  a seeded call reproducible and leaves the caller's RNG state untouched.
+  a seeded call reproducible and leaves the caller's RNG state untouched. Engines
+  in other processes (tensor parallel > 1, GPU) use vLLM's per-request seed.
 - On CPU the KV cache size comes from `VLLM_CPU_KVCACHE_SPACE` (GiB), default 1
   here; on GPU from `rollout.gpu_memory_utilization`.
 - New weights go in without a restart through the workers' `reload_weights`, then
@@ -84,7 +85,8 @@ def configure_env(tensor_parallel_size: int) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-def vllm_sampling_params(params: SamplingParams):
+def vllm_sampling_params(params: SamplingParams, seed: int | None = None):
+    """vLLM's SamplingParams; `seed` is vLLM's per-request seed (None on in-process engines)."""
     from vllm import SamplingParams as VSamplingParams
 
     return VSamplingParams(
@@ -95,6 +97,7 @@ def vllm_sampling_params(params: SamplingParams):
         max_tokens=params.max_tokens,
         logprobs=0,  # 0 => only the sampled token's log-prob
         skip_special_tokens=True,
+        seed=seed,
     )
 
 
@@ -184,14 +187,21 @@ class VLLMRolloutEngine:
         if params.seed is None:
             return self.llm.generate(requests, vllm_sampling_params(params), use_tqdm=False)
         if not self.in_process:
-            raise ValueError("SamplingParams.seed needs the in-process engine (tensor_model_parallel_size=1 "
-                             "and VLLM_ENABLE_V1_MULTIPROCESSING=0); leave seed=None otherwise")
+            return self._run_seeded_per_request(requests, params)
         import torch
 
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(params.seed)
             return self.llm.generate(requests, vllm_sampling_params(params), use_tqdm=False)
+
+    def _run_seeded_per_request(self, requests: list[dict], params: SamplingParams) -> list:
+        """Engine in other processes: vLLM's own per-request seed (fine on GPU, broken on CPU)."""
+        if self.on_cpu:
+            raise ValueError("SamplingParams.seed on CPU needs the in-process engine "
+                             "(VLLM_ENABLE_V1_MULTIPROCESSING=0, tensor_model_parallel_size=1); "
+                             "leave seed=None otherwise")
+        return self.llm.generate(requests, vllm_sampling_params(params, params.seed), use_tqdm=False)
 
     def _check_lengths(self, prompts: list[list[int]], max_tokens: int) -> None:
         too_long = [i for i, p in enumerate(prompts) if len(p) + max_tokens > self.max_model_len]

@@ -1,0 +1,336 @@
+"""One round's stages for a driver that keeps nothing in memory between them.
+
+`rlhf.train.Run` holds the policy, critic and optimizer in one process across rounds.
+A stateless driver (one Flyte task per stage) instead passes files and small values:
+
+    prepare_dataset -> prepare_base_model -> [sample_prompts -> rollout_policy -> score_rollouts
+        -> update_from_checkpoint -> evaluate_policy -> decide] x rounds
+
+Each function here loads what it needs (a model directory, a checkpoint with the
+DeepSpeed optimizer state), runs one stage from `rlhf.stages`, and returns tables,
+directories and the `RoundState`. Both drivers share the trainer construction, the
+checkpoint format, the rollout seeds and the per-step metrics defined here, so the
+same config and seed give the same rounds either way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Optional
+
+import pandas as pd
+import torch
+
+from rlhf import checkpoint as ckpt
+from rlhf import stages
+from rlhf.config import DataConfig, ModelConfig, PPOConfig, Sizes, TrainerConfig, derive_sizes
+from rlhf.state import RoundState, record_steps, record_val
+from rlhf.trainer import dist as D
+
+# ---------------------------------------------------------------------------------
+# Rules both drivers follow
+# ---------------------------------------------------------------------------------
+
+
+def rollout_seed(cfg: PPOConfig, round_: int, rank: int = 0) -> int:
+    """The sampling seed of round `round_` (rounds completed before it) on `rank`."""
+    return cfg.trainer.seed * 100003 + round_ * 1009 + rank
+
+
+def should_evaluate(cfg: PPOConfig, rounds_done: int) -> bool:
+    """Validate after round `rounds_done` (1-based): every `test_freq` rounds and after the last."""
+    return rounds_done % cfg.trainer.test_freq == 0 or rounds_done == cfg.trainer.total_rounds
+
+
+def should_validate_first(cfg: PPOConfig, state: RoundState) -> bool:
+    """Validate the starting policy before any update (`trainer.val_before_train`)."""
+    return cfg.trainer.val_before_train and state.round == 0 and state.val_start < 0
+
+
+def record_update(state: RoundState, steps: list[dict[str, float]], kl_coef: float) -> RoundState:
+    """The state after a round's update: step history, global step, KL coefficient, round + 1."""
+    new = record_steps(state, steps)
+    return replace(new, kl_coef=float(kl_coef), round=state.round + 1)
+
+
+def build_trainer(cfg: PPOConfig, sizes: Sizes, base_dir: str, device: torch.device,
+                  resume: Optional[Path] = None):
+    """A `PPOTrainer`: actor and critic from checkpoint `resume` (its safetensors models) or,
+    without one, from the base policy; the frozen reference is always the base policy.
+    The optimizer state is not loaded here (`rlhf.checkpoint.restore` does that)."""
+    from rlhf.models.load import ValueModel, frozen_reference, load_causal_lm
+    from rlhf.trainer.ppo import PPOTrainer
+
+    m = cfg.model
+    actor = load_causal_lm(str(resume / "actor") if resume else base_dir, dtype=m.dtype,
+                           trust_remote_code=m.trust_remote_code)
+    critic = None
+    if cfg.algorithm.adv_estimator == "gae":
+        if resume:
+            critic = ValueModel.from_pretrained(str(resume / "critic"), dtype=m.dtype)
+        else:
+            critic = ValueModel.from_causal_lm_dir(m.critic_path or base_dir, dtype=m.dtype)
+    ref = frozen_reference(base_dir, dtype=m.dtype)
+    return PPOTrainer(cfg, sizes, actor, critic, ref, device)
+
+
+def count_tokens(rollouts: pd.DataFrame) -> float:
+    """Prompt plus response tokens of a rollout table."""
+    return float(sum(len(json.loads(r)) + len(json.loads(p))
+                     for r, p in zip(rollouts["response_ids"], rollouts["prompt_ids"])))
+
+
+def step_metrics(steps: list[dict[str, float]], gen: dict[str, float], timing: dict[str, float], tokens: float,
+                 world: int, trainer, device: torch.device) -> list[dict[str, float]]:
+    """Each PPO step's metrics completed with the round's rollout metrics, its share of the
+    round's stage timings, throughput and MFU."""
+    out = []
+    for m in steps:
+        m = {**m, **gen, **{k: v / len(steps) for k, v in timing.items()}}
+        m.update(perf_metrics(m, tokens / len(steps), world, trainer, device))
+        out.append(m)
+    return out
+
+
+def perf_metrics(m: dict[str, float], tokens: float, world: int, trainer, device: torch.device
+                 ) -> dict[str, float]:
+    """Throughput (tokens per second per GPU over the update) and actor MFU from 6 * params * tokens."""
+    upd = m.get("timing_s/update", 0.0)
+    out = {"perf/total_num_tokens": tokens}
+    if upd > 0:
+        out["perf/throughput"] = tokens / upd / world
+        n_params = sum(p.numel() for p in trainer.actor.module.parameters())
+        actor_t = m.get("timing_s/update_actor", upd)
+        peak = peak_flops(device)
+        if peak and actor_t > 0:
+            out["perf/mfu/actor"] = 6.0 * n_params * tokens * trainer.cfg.actor.ppo_epochs / actor_t / world / peak
+    if device.type == "cuda":
+        out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    else:
+        import resource
+
+        out["perf/cpu_memory_used_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return out
+
+
+def peak_flops(device: torch.device) -> float:
+    """Dense bf16 peak of the device in FLOP/s ($RLHF_PEAK_TFLOPS overrides; 790 measured on H200)."""
+    if os.environ.get("RLHF_PEAK_TFLOPS"):
+        return float(os.environ["RLHF_PEAK_TFLOPS"]) * 1e12
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return 790e12 if "H200" in name or "H100" in name else 312e12
+    return 0.0
+
+
+# ---------------------------------------------------------------------------------
+# Preparation (cacheable: the outputs depend only on these inputs)
+# ---------------------------------------------------------------------------------
+
+
+def prepare_dataset(data: DataConfig) -> stages.DataBundle:
+    """Train and val prompt tables (and the labeled SFT split of the synthetic task, else an
+    empty table) from the data section alone."""
+    bundle = stages.prepare_data(PPOConfig(data=data))
+    if bundle.sft is None:
+        bundle = stages.DataBundle(train=bundle.train, val=bundle.val, sft=bundle.train.iloc[:0])
+    return bundle
+
+
+def dataset_fingerprint(data: DataConfig) -> str:
+    """A digest of the dataset files behind `data` (paths, sizes, modification times or
+    ETags), so that a cache keyed on it misses when the files change; "" for the synthetic
+    task, whose rows the config alone determines."""
+    if not data.train_files:
+        return ""
+    from rlhf.data.io import list_parquet_files, resolve_path
+
+    h = hashlib.sha256()
+    for path in (data.train_files, data.val_files):
+        if not path:
+            continue
+        fs, files = list_parquet_files(resolve_path(path, data.base_dir))
+        for f in files:
+            info = fs.info(f)
+            stamp = [info.get(k) for k in ("size", "mtime", "LastModified", "ETag", "etag", "md5Hash", "updated")]
+            h.update(json.dumps([f, stamp], default=str).encode())
+    return h.hexdigest()[:16]
+
+
+def prepare_base_model(model: ModelConfig, seed: int, sft: pd.DataFrame, out_dir: str) -> str:
+    """The starting (and reference) policy directory: `model.path`, or the tiny default
+    model built and SFT-warm-started on `sft` into `out_dir`."""
+    cfg = PPOConfig(model=model, trainer=TrainerConfig(seed=seed))
+    data = stages.DataBundle(train=sft.iloc[:0], val=sft.iloc[:0], sft=sft if len(sft) else None)
+    return stages.prepare_policy(cfg, out_dir, data)
+
+
+# ---------------------------------------------------------------------------------
+# One round, stage by stage
+# ---------------------------------------------------------------------------------
+
+
+def _make_engine(cfg: PPOConfig, model_dir: str, device: torch.device):
+    from rlhf.models.load import load_tokenizer
+    from rlhf.rollout import make_engine
+
+    tokenizer = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+    engine = make_engine(cfg.rollout.name, model_dir, tokenizer, cfg.rollout, seed=cfg.trainer.seed,
+                         device=str(device), dtype=cfg.model.dtype)
+    return engine, tokenizer
+
+
+def rollout_policy(cfg: PPOConfig, model_dir: str, prompts: pd.DataFrame, state: RoundState
+                   ) -> tuple[pd.DataFrame, dict[str, float]]:
+    """`rollout.n` sampled responses per prompt from the policy saved in `model_dir`
+    (a RolloutSchema table) and the rollout metrics, with the round's seed."""
+    device = D.pick_device(cfg.trainer.device)
+    t = time.perf_counter()
+    engine, tokenizer = _make_engine(cfg, model_dir, device)
+    try:
+        rollouts = stages.rollout(engine, tokenizer, prompts, cfg, seed=rollout_seed(cfg, state.round))
+    finally:
+        engine.close()
+    metrics = stages.rollout_metrics(rollouts, cfg)
+    metrics["timing_s/gen"] = time.perf_counter() - t
+    return rollouts, metrics
+
+
+def score_rollouts(cfg: PPOConfig, rollouts: pd.DataFrame) -> pd.DataFrame:
+    """The rollouts with their reward (ScoredRolloutSchema)."""
+    reward_model = stages.load_reward_model(cfg, D.pick_device(cfg.trainer.device))
+    return stages.score(rollouts, cfg, reward_model)
+
+
+@dataclass
+class UpdateResult:
+    checkpoint: str  # the new checkpoint directory (actor/, critic/, engine/, state.json, config.yaml)
+    state: RoundState
+    steps: list[dict[str, float]]  # full per-step metrics
+
+    @property
+    def policy(self) -> str:
+        """The updated policy: a `save_pretrained` directory with the tokenizer."""
+        return str(Path(self.checkpoint) / "actor")
+
+
+def update_from_checkpoint(cfg: PPOConfig, base_model_dir: str, checkpoint_dir: Optional[str],
+                           scored: pd.DataFrame, state: RoundState, out_dir: str, sink=None) -> UpdateResult:
+    """`steps_per_round` PPO steps over the round's scored rollouts, starting from checkpoint
+    `checkpoint_dir` (weights, DeepSpeed optimizer state) or, for the first round, from the
+    base policy; saves the new checkpoint atomically under `out_dir` and returns it with
+    the new state and the step metrics.
+
+    Under torchrun every rank calls this with the same arguments: each trains on its shard
+    of the rows and writes its optimizer shards; rank 0's `out_dir` is used by all ranks.
+    """
+    from rlhf.models.load import load_tokenizer
+
+    device = D.pick_device(cfg.trainer.device)
+    rank, world = D.init_distributed(device)
+    torch.manual_seed(cfg.trainer.seed)
+    stages.check_sizes(cfg, world)
+    out = Path(D.broadcast_object(str(out_dir)))
+    resume = Path(checkpoint_dir) if checkpoint_dir else None
+    tokenizer = load_tokenizer(base_model_dir, trust_remote_code=cfg.model.trust_remote_code)
+    trainer = build_trainer(cfg, derive_sizes(cfg, world), base_model_dir, device, resume)
+    if resume:
+        ckpt.restore(trainer, resume, state)
+    else:
+        ckpt.apply_state(trainer, state)
+    local = stages.shard(scored, cfg.trainer.steps_per_round, rank, world)
+    t = time.perf_counter()
+    steps = stages.update(trainer, local, tokenizer.pad_token_id, cfg)
+    timing = {"timing_s/update": time.perf_counter() - t}
+    steps = step_metrics(steps, stages.rollout_metrics(scored, cfg), timing, count_tokens(scored), world, trainer,
+                         device)
+    if sink is not None and rank == 0:
+        for i, m in enumerate(steps):
+            sink.log_metrics(m, step=state.global_step + i + 1)
+    new = record_update(state, steps, trainer.kl_ctrl.value)
+    final = ckpt.save(out / ckpt.round_dir_name(new.round), trainer, tokenizer, cfg, new)
+    return UpdateResult(checkpoint=str(final), state=new, steps=steps)
+
+
+def evaluate_policy(cfg: PPOConfig, model_dir: str, val: pd.DataFrame, state: RoundState, sink=None
+                    ) -> tuple[RoundState, dict[str, float]]:
+    """Greedy validation of the policy saved in `model_dir`; the score is recorded in the state."""
+    device = D.pick_device(cfg.trainer.device)
+    engine, tokenizer = _make_engine(cfg, model_dir, device)
+    try:
+        metrics = stages.evaluate(engine, tokenizer, val, cfg, stages.load_reward_model(cfg, device))
+    finally:
+        engine.close()
+    new = record_val(state, stages.val_score(metrics), cfg.early_stop.min_delta)
+    if sink is not None:
+        sink.log_metrics(metrics, step=new.global_step)
+    return new, metrics
+
+
+# ---------------------------------------------------------------------------------
+# Results
+# ---------------------------------------------------------------------------------
+
+
+def stop_reason(cfg: PPOConfig, state: RoundState) -> str:
+    """Why the rounds ended: the early-stop reason, or the round budget."""
+    if state.stop_reason:
+        return state.stop_reason
+    return "total_rounds reached" if state.round >= cfg.trainer.total_rounds else ""
+
+
+def summary(cfg: PPOConfig, state: RoundState) -> dict:
+    """The run summary both drivers report (`rlhf.train` adds wall time and paths)."""
+    return {
+        "val_score_start": state.val_start,
+        "val_score_end": state.last_val,
+        "val_score_best": state.best_val,
+        "rounds": state.round,
+        "global_steps": state.global_step,
+        "stop_reason": stop_reason(cfg, state),
+        "kl_coef": state.kl_coef,
+        "skipped_steps": state.skipped_steps,
+        "val_history": state.val_history,
+    }
+
+
+def metrics_table(state: RoundState) -> pd.DataFrame:
+    """One row per PPO step (`step` and the history metrics), plus one row per validation
+    without a step of its own (e.g. before training); `val/score` where validated."""
+    steps = pd.DataFrame(state.step_history or {"step": []})
+    vals = pd.DataFrame({"step": [v["step"] for v in state.val_history],
+                         "val/score": [v["score"] for v in state.val_history]})
+    table = steps.merge(vals, on="step", how="outer").sort_values("step", kind="stable").reset_index(drop=True)
+    table["step"] = table["step"].astype("int64")
+    return table
+
+
+# ---------------------------------------------------------------------------------
+# Tracking across stateless stages: one MLflow run, resumed by id
+# ---------------------------------------------------------------------------------
+
+
+def open_tracking(cfg: PPOConfig, run_name: Optional[str] = None) -> str:
+    """Create the run's MLflow run (params logged) when `trainer.logger` lists mlflow;
+    returns its id, or "" when MLflow is not used."""
+    if "mlflow" not in cfg.trainer.logger:
+        return ""
+    from rlhf.tracking import make_sink
+
+    sink = make_sink(["mlflow"], cfg, run_name=run_name)
+    return sink.run_id
+
+
+def tracking_sink(cfg: PPOConfig, run_id: str = ""):
+    """The configured sinks, with MLflow resuming run `run_id` (not closed by the stages)."""
+    from rlhf.tracking import NullSink, make_sink
+
+    names = [n for n in cfg.trainer.logger if n != "mlflow" or run_id]
+    if not names:
+        return NullSink()
+    return make_sink(names, cfg, run_id=run_id or None)

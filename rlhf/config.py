@@ -63,7 +63,7 @@ class DataConfig:
 class TinyModelConfig:
     """The default policy: a small Llama built in code with a character tokenizer."""
 
-    hidden_size: int = 128
+    hidden_size: int = 128  # ~0.87M parameters with the 100-token char vocab
     num_hidden_layers: int = 4
     num_attention_heads: int = 4
     num_key_value_heads: int = 4
@@ -77,17 +77,21 @@ class SFTConfig:
     """Supervised warm-start on the labeled set (loss on answer tokens only)."""
 
     enable: bool = True
-    max_seconds: float = 60.0  # wall budget; whichever of seconds/epochs ends first
+    max_seconds: float = 600.0  # wall-clock safety cap; steps and the accuracy probe normally decide
     epochs: int = 1000
-    max_steps: int = 0  # optimizer steps; 0 => epochs decide
+    max_steps: int = 1000  # optimizer steps (a cap); 0 => epochs decide; the first stop reached ends the run
     batch_size: int = 64
     lr: float = 3e-3
-    lr_schedule: str = "cosine"  # "cosine" (to min_lr_ratio * lr) | "constant", after warmup
+    lr_schedule: str = "constant"  # "constant" | "cosine" (to min_lr_ratio * lr), after warmup
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     log_every: int = 50  # print a progress line every this many steps
+    num_threads: int = 1  # torch CPU threads during SFT (results depend on it); 0 => torch's default
+    stop_at_accuracy: float = 0.4  # > 0: stop once greedy accuracy on the probe reaches this (room for RL)
+    probe_size: int = 256  # training problems the accuracy probe decodes
+    probe_every: int = 50  # steps between probes
 
 
 @dataclass(frozen=True)
@@ -104,10 +108,10 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ActorConfig:
-    lr: float = 5e-5
+    lr: float = 2e-4
     weight_decay: float = 0.0
-    ppo_epochs: int = 1
-    ppo_mini_batch_size: int = 64  # in prompts (times rollout.n responses), verl semantics
+    ppo_epochs: int = 2
+    ppo_mini_batch_size: int = 16  # in prompts (times rollout.n responses), verl semantics
     ppo_micro_batch_size_per_gpu: int = 64  # in responses
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 16384
@@ -127,7 +131,7 @@ class ActorConfig:
 class CriticConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
-    ppo_epochs: int = 1
+    ppo_epochs: int = 2
     cliprange_value: float = 0.5
     grad_clip: float = 1.0
     loss_agg_mode: str = "token-mean"
@@ -178,7 +182,7 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    total_rounds: int = 10
+    total_rounds: int = 15
     steps_per_round: int = 1
     test_freq: int = 1  # evaluate every k rounds
     val_before_train: bool = True
@@ -231,6 +235,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "data.prompt_format": ("text", "chat"),
     "data.truncation": ("error", "left", "right"),
     "model.dtype": ("float32", "bfloat16"),
+    "model.sft.lr_schedule": ("constant", "cosine"),
     "rollout.name": ("hf", "vllm"),
     "algorithm.adv_estimator": ("gae", "grpo"),
     "algorithm.kl_penalty": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),

@@ -1,6 +1,6 @@
 """SFT warm-start of the tiny default policy on synthetic arithmetic, then greedy validation.
 
-    python -m rlhf.sft_main [--cfg F] [--out DIR] [key=value ...]
+    python -m rlhf.sft_main [--cfg F] [--out DIR] [--threads N] [key=value ...]
 
 Prints SFT progress, then `val/accuracy` on the `data.synthetic` validation split.
 """
@@ -19,6 +19,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m rlhf.sft_main", description=__doc__.split("\n")[0])
     p.add_argument("--cfg", default=None, help="YAML/JSON config file (defaults if omitted)")
     p.add_argument("--out", default="", help="save the warm-started policy here (safetensors + tokenizer)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads (0 => torch's default); 1 is steadier on a small shared CPU")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. model.sft.max_steps=200")
     return p.parse_args(argv)
 
@@ -29,6 +31,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         cfg = load_config(args.cfg, args.overrides)
     except ConfigError as e:
         sys.exit(f"error: {e}")
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
     from rlhf.data.arithmetic import make_splits
     from rlhf.evaluate import evaluate_greedy
     from rlhf.models.default import warm_start

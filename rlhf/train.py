@@ -20,7 +20,7 @@ import torch
 from rlhf import checkpoint as ckpt
 from rlhf import pipeline as P
 from rlhf import stages
-from rlhf.config import PPOConfig, derive_sizes, load_config
+from rlhf.config import ConfigError, PPOConfig, derive_sizes, load_config
 from rlhf.state import RoundState, Verdict, decide, record_val
 from rlhf.trainer import dist as D
 
@@ -191,7 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.clip_ratio=0.3")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = load_config(args.cfg, args.overrides)
+    try:
+        cfg = load_config(args.cfg, args.overrides)
+    except ConfigError as e:
+        p.exit(2, f"error: {e}\n")
     summary = train(cfg)
     if args.summary_json and D.world()[0] == 0:
         Path(args.summary_json).parent.mkdir(parents=True, exist_ok=True)

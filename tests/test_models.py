@@ -37,7 +37,7 @@ def small_model(tok, seed=0, cfg=SMALL):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.text(alphabet=PRINTABLE, max_size=60))
+@given(st.text(alphabet=PRINTABLE, max_size=60) | st.sampled_from(["<eos>", "a<bos>b", "<pad><unk>"]))
 def test_tokenizer_round_trips_printable_text_exactly(text):
     tok = build_char_tokenizer()
     ids = tok(text)["input_ids"]
@@ -57,6 +57,7 @@ def test_tokenizer_specials_and_save_load_with_autotokenizer(tok, tmp_path):
     assert loaded.decode(loaded(text)["input_ids"], skip_special_tokens=True) == text
     assert (loaded.pad_token, loaded.bos_token, loaded.eos_token) == ("<pad>", "<bos>", "<eos>")
     assert len(loaded) == len(tok)
+    assert loaded("<eos>")["input_ids"] == tok("<eos>")["input_ids"] and len(tok("<eos>")["input_ids"]) == 6
     chat = loaded.apply_chat_template([{"role": "user", "content": "1+1="}], tokenize=False,
                                       add_generation_prompt=True)
     assert chat == "user: 1+1=\nassistant: "

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from rlhf.config import SFTConfig, TinyModelConfig
-from rlhf.models.sft import (IGNORE, build_sft_example, collate, lr_at, sft_loss, sft_warm_start,
-                             tokenize_pairs)
+from rlhf.models.sft import (IGNORE, build_sft_example, collate, cpu_threads, lr_at, probe_accuracy, sft_loss,
+                             sft_warm_start, tokenize_pairs)
 from rlhf.models.tiny import build_tiny_model
 from rlhf.models.tokenizer import build_char_tokenizer
 
@@ -122,6 +122,28 @@ def test_sft_stops_at_epochs_and_at_max_seconds(tok):
     by_time = sft_warm_start(small_model(tok), tok, prompts, responses,
                              SFTConfig(epochs=100, batch_size=4, max_seconds=0.0), seed=0, progress=False)
     assert by_time["sft/steps"] == 1
+
+
+def test_sft_stops_once_greedy_accuracy_on_the_probe_is_reached(tok):
+    prompts = [f"{a}+1=" for a in range(16)]
+    responses = ["#### 7"] * 16  # one answer for all: learned within a few dozen steps
+    model = small_model(tok)
+    assert probe_accuracy(model, tok, tokenize_pairs(tok, prompts, responses)) == 0.0
+    cfg = SFTConfig(max_steps=300, batch_size=16, lr=1e-2, warmup_steps=0, stop_at_accuracy=1.0, probe_every=5,
+                    probe_size=8, max_seconds=600)
+    metrics = sft_warm_start(model, tok, prompts, responses, cfg, seed=0, progress=False)
+    assert metrics["sft/probe_accuracy"] == 1.0
+    assert metrics["sft/steps"] < 300 and metrics["sft/steps"] % 5 == 0
+    assert probe_accuracy(model, tok, tokenize_pairs(tok, prompts[:8], responses[:8])) == 1.0
+
+
+def test_cpu_threads_sets_and_restores_the_thread_count():
+    before = torch.get_num_threads()
+    with cpu_threads(before + 1, torch.device("cpu")):
+        assert torch.get_num_threads() == before + 1
+    assert torch.get_num_threads() == before
+    with cpu_threads(0, torch.device("cpu")):
+        assert torch.get_num_threads() == before
 
 
 def test_sft_refuses_mismatched_inputs_and_unknown_schedule(tok):

@@ -235,3 +235,26 @@ def test_round_with_vllm_rollout_pushes_new_weights(tmp_path):
         r.close()
     assert served == hf.response_ids
     assert hf.response_ids != base.response_ids, "the update did not change the greedy policy; test is vacuous"
+
+
+def test_cli_writes_summary_json(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    summary_path = tmp_path / "s" / "summary.json"
+    cmd = [sys.executable, "-m", "rlhf.train", *TINY, f"trainer.output_dir={tmp_path / 'out'}",
+           "trainer.total_rounds=1", "--summary-json", str(summary_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(summary_path.read_text())
+    for key in ("val_score_start", "val_score_end", "val_score_best", "rounds", "global_steps", "stop_reason",
+                "wall_s"):
+        assert key in summary, key
+    assert summary["rounds"] == 1 and summary["global_steps"] == 1
+    assert "round 1/1" in proc.stdout
+
+
+def test_cli_rejects_unknown_key_with_suggestion(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "rlhf.train", "actor.clip_raito=0.3"], env=env,
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "did you mean 'actor.clip_ratio'" in proc.stderr

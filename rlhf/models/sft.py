@@ -2,12 +2,16 @@
 
 Each example is `prompt_ids + response_ids + [eos]`; the labels are -100 on the prompt,
 so only the response and its closing EOS are learned (the policy must learn to stop).
-AdamW with linear warmup, then cosine decay to `min_lr_ratio * lr` (or constant).
-The run ends at whichever comes first: `max_steps`, `epochs`, `max_seconds`.
+AdamW with linear warmup, then constant or cosine decay to `min_lr_ratio * lr`.
+The run ends at whichever comes first: `max_steps`, `epochs`, `max_seconds`, or greedy
+accuracy on a probe of the training problems reaching `stop_at_accuracy` (a warm-start
+that leaves room for RL). It runs on `num_threads` CPU threads: the result depends on
+the thread count (summation order), and one thread is steadier on a small shared CPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -79,47 +83,88 @@ def tokenize_pairs(tokenizer, prompts: list[str], responses: list[str]) -> list[
     return [build_sft_example(p, r, tokenizer.eos_token_id) for p, r in zip(p_ids, r_ids)]
 
 
+def epoch_batches(n_examples: int, batch_size: int, epochs: int, generator: torch.Generator):
+    """(epoch, indices) for each batch: a fresh seeded permutation per epoch."""
+    for epoch in range(epochs):
+        order = torch.randperm(n_examples, generator=generator).tolist()
+        for i in range(0, n_examples, batch_size):
+            yield epoch, order[i: i + batch_size]
+
+
+@contextlib.contextmanager
+def cpu_threads(n: int, device: torch.device):
+    """Run with `n` torch CPU threads (then restore); n <= 0 or a GPU device leaves them as they are."""
+    before = torch.get_num_threads()
+    if n > 0 and device.type == "cpu":
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def probe_accuracy(model, tokenizer, examples: list[tuple[list[int], list[int]]]) -> float:
+    """Share of `examples` whose greedy response is exactly the labeled response + EOS."""
+    from rlhf.rollout.base import SamplingParams
+    from rlhf.rollout.hf import HFRolloutEngine
+
+    prompts = [[t for t, y in zip(ids, labels) if y == IGNORE] for ids, labels in examples]
+    targets = [[y for y in labels if y != IGNORE] for _, labels in examples]
+    params = SamplingParams(temperature=0.0, max_tokens=max(len(t) for t in targets))
+    out = HFRolloutEngine(model, tokenizer, batch_size=256).generate(prompts, params)
+    return sum(r == t for r, t in zip(out.response_ids, targets)) / len(targets)
+
+
 def sft_warm_start(model, tokenizer, prompts: list[str], responses: list[str], cfg: SFTConfig, seed: int = 0,
                    progress: bool = True, log_every: int | None = None) -> dict[str, float]:
     """Fine-tune `model` in place on (prompt, response) pairs.
 
-    Returns `{"sft/steps", "sft/epochs", "sft/loss" (mean of the last epoch or the last
-    `log_every` steps), "sft/seconds", "sft/tokens"}`. Prints a line every `log_every` steps.
+    Stops at the first of `max_steps`, `epochs`, `max_seconds`, or (if `stop_at_accuracy` > 0)
+    greedy exact-match accuracy >= `stop_at_accuracy` on the first `probe_size` training
+    pairs, checked every `probe_every` steps. Returns `{"sft/steps", "sft/epochs", "sft/loss"
+    (mean of the last `log_every` steps), "sft/seconds", "sft/tokens"}` and, when probing,
+    `"sft/probe_accuracy"`. Prints a line every `log_every` steps.
     """
     if cfg.lr_schedule not in ("cosine", "constant"):
         raise ValueError(f"model.sft.lr_schedule is {cfg.lr_schedule!r}; choose 'cosine' or 'constant'")
+    if cfg.epochs < 1 or cfg.batch_size < 1:
+        raise ValueError(f"model.sft.epochs ({cfg.epochs}) and model.sft.batch_size ({cfg.batch_size}) must be >= 1")
     examples = tokenize_pairs(tokenizer, prompts, responses)
     if not examples:
         raise ValueError("sft_warm_start: no examples; pass at least one (prompt, response) pair")
     device = next(model.parameters()).device
-    total = planned_steps(len(examples), cfg)
-    log_every = log_every or cfg.log_every
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    gen = torch.Generator().manual_seed(seed)
-    model.train()
-    start, step, epoch, tokens = time.perf_counter(), 0, 0, 0
-    recent: list[float] = []
-    done = False
-    while not done and epoch < cfg.epochs:
-        order = torch.randperm(len(examples), generator=gen).tolist()
-        for i in range(0, len(order), cfg.batch_size):
-            batch = {k: v.to(device) for k, v in collate([examples[j] for j in order[i: i + cfg.batch_size]],
-                                                        tokenizer.pad_token_id).items()}
-            loss = _train_step(model, opt, batch, lr_at(step, total, cfg), cfg.grad_clip)
-            step += 1
-            tokens += int(batch["attention_mask"].sum())
-            recent = (recent + [loss])[-log_every:]
-            elapsed = time.perf_counter() - start
-            if progress and (step % log_every == 0 or step == total):
-                print(f"sft step {step}/{total} epoch {epoch} loss {sum(recent) / len(recent):.4f} "
-                      f"lr {lr_at(step - 1, total, cfg):.2e} {elapsed:.1f}s", flush=True)
-            if step >= total or elapsed >= cfg.max_seconds:
-                done = True
-                break
-        epoch += 1
+    with cpu_threads(cfg.num_threads, device):
+        metrics = _train(model, tokenizer, examples, cfg, seed, progress, log_every or cfg.log_every, device)
     model.eval()
-    return {"sft/steps": step, "sft/epochs": epoch, "sft/loss": sum(recent) / len(recent),
-            "sft/seconds": time.perf_counter() - start, "sft/tokens": tokens}
+    return metrics
+
+
+def _train(model, tokenizer, examples, cfg: SFTConfig, seed: int, progress: bool, log_every: int,
+           device: torch.device) -> dict[str, float]:
+    total = planned_steps(len(examples), cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    probe = examples[: cfg.probe_size] if cfg.stop_at_accuracy > 0 else []
+    model.train()
+    start, step, tokens, recent, metrics = time.perf_counter(), 0, 0, [], {}
+    for epoch, idx in epoch_batches(len(examples), cfg.batch_size, cfg.epochs, torch.Generator().manual_seed(seed)):
+        batch = {k: v.to(device) for k, v in collate([examples[j] for j in idx], tokenizer.pad_token_id).items()}
+        recent = (recent + [_train_step(model, opt, batch, lr_at(step, total, cfg), cfg.grad_clip)])[-log_every:]
+        step, tokens = step + 1, tokens + int(batch["attention_mask"].sum())
+        elapsed = time.perf_counter() - start
+        if progress and (step % log_every == 0 or step == total):
+            print(f"sft step {step}/{total} epoch {epoch} loss {sum(recent) / len(recent):.4f} "
+                  f"lr {lr_at(step - 1, total, cfg):.2e} {elapsed:.1f}s", flush=True)
+        if probe and step % cfg.probe_every == 0:
+            metrics["sft/probe_accuracy"] = probe_accuracy(model, tokenizer, probe)
+            if progress:
+                print(f"sft step {step} greedy accuracy on {len(probe)} training problems "
+                      f"{metrics['sft/probe_accuracy']:.3f} (stop at {cfg.stop_at_accuracy})", flush=True)
+            if metrics["sft/probe_accuracy"] >= cfg.stop_at_accuracy:
+                break
+        if step >= total or elapsed >= cfg.max_seconds:
+            break
+    return {"sft/steps": step, "sft/epochs": epoch + 1, "sft/loss": sum(recent) / len(recent),
+            "sft/seconds": time.perf_counter() - start, "sft/tokens": tokens, **metrics}
 
 
 def _train_step(model, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor], lr: float,

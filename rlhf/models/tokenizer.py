@@ -4,7 +4,9 @@ One token per character of printable ASCII plus newline, and four specials. It i
 BPE model with no merges and no pre-tokenizer, so text maps to its characters with
 nothing inserted or stripped, and `save_pretrained` writes a `tokenizer.json` that
 `AutoTokenizer` and vLLM load as they would any other fast tokenizer. Encoding
-prepends `<bos>` (as Llama does); decoding concatenates the characters.
+prepends `<bos>` (as Llama does); decoding concatenates the characters. Text that
+spells a special token ("<eos>") is encoded as its characters (`split_special_tokens`), so
+no prompt or response text can smuggle in a control token and every text round-trips.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
         unk_token=UNK,
         padding_side="left",
         clean_up_tokenization_spaces=False,
+        split_special_tokens=True,
         chat_template=CHAT_TEMPLATE,
         model_max_length=4096,
     )

@@ -1,0 +1,116 @@
+"""Optuna study access for sweeps: open or continue a study in an RDB storage, ask and
+tell in batches, and let a running trial report per-round values for pruning.
+
+Storage: a SQLite file by default (one process at a time), a PostgreSQL URL
+(`postgresql://user@host/db`) when trials run in parallel workers. Everything that
+crosses a process boundary is a plain value (study name, storage URL, trial number),
+so trials in other processes or pods reach the same study.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StudySpec:
+    name: str = "ppo-sweep"
+    storage: str = ""  # "" => sqlite:///outputs/sweeps/optuna.db
+    directions: list[str] = field(default_factory=lambda: ["maximize"])  # ["maximize", "minimize"] => Pareto
+    sampler: str = "tpe"  # "tpe" | "random" | "nsga2"
+    pruner: str = "median"  # "median" | "none"
+    seed: int = 0
+    n_startup_trials: int = 2  # pruner: trials before pruning starts
+    n_warmup_steps: int = 1  # pruner: rounds reported before a trial can be pruned
+
+
+def storage_url(spec: StudySpec, output_dir: str = "outputs") -> str:
+    if spec.storage:
+        return spec.storage
+    path = Path(output_dir) / "sweeps" / "optuna.db"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{path.resolve()}"
+
+
+def _sampler(spec: StudySpec):
+    import optuna
+
+    if spec.sampler == "tpe":
+        return optuna.samplers.TPESampler(seed=spec.seed, n_startup_trials=max(2, spec.n_startup_trials),
+                                          constant_liar=True)
+    if spec.sampler == "random":
+        return optuna.samplers.RandomSampler(seed=spec.seed)
+    if spec.sampler == "nsga2":
+        return optuna.samplers.NSGAIISampler(seed=spec.seed)
+    raise ValueError(f"unknown sweep sampler {spec.sampler!r}; choose tpe, random or nsga2")
+
+
+def _pruner(spec: StudySpec):
+    import optuna
+
+    if spec.pruner == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=spec.n_startup_trials, n_warmup_steps=spec.n_warmup_steps)
+    if spec.pruner == "none":
+        return optuna.pruners.NopPruner()
+    raise ValueError(f"unknown sweep pruner {spec.pruner!r}; choose median or none")
+
+
+def open_study(spec: StudySpec, storage: str):
+    """Create the study, or load it when a study of that name exists (a re-launch continues it)."""
+    import optuna
+
+    rdb = optuna.storages.RDBStorage(storage, heartbeat_interval=60, grace_period=180,
+                                     failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=1))
+    return optuna.create_study(study_name=spec.name, storage=rdb, directions=list(spec.directions),
+                               sampler=_sampler(spec), pruner=_pruner(spec), load_if_exists=True)
+
+
+def ask_batch(study, space, k: int) -> list[tuple[int, dict[str, Any]]]:
+    """Ask `k` trials; returns (trial number, sampled params) for each."""
+    from sweeps.space import suggest
+
+    out = []
+    for _ in range(k):
+        trial = study.ask()
+        out.append((trial.number, suggest(trial, space)))
+    return out
+
+
+def tell_batch(study, results: list[tuple[int, str, list[float]]]) -> None:
+    """results: (trial number, state "COMPLETE"|"PRUNED"|"FAIL", values) per trial."""
+    import optuna
+
+    states = {"COMPLETE": optuna.trial.TrialState.COMPLETE, "PRUNED": optuna.trial.TrialState.PRUNED,
+              "FAIL": optuna.trial.TrialState.FAIL}
+    for number, state, values in results:
+        st = states[state]
+        current = study.trials[number].state if number < len(study.trials) else None
+        if current is not None and current.is_finished():
+            log.info("trial %d already finished as %s; not told again", number, current.name)
+            continue
+        study.tell(number, values if st == optuna.trial.TrialState.COMPLETE else None, state=st)
+
+
+class TrialReporter:
+    """Reports a running trial's per-round values to the study; `should_prune` asks the pruner.
+
+    Built from plain values so a trial running in another process can use it."""
+
+    def __init__(self, storage: str, spec: StudySpec, trial_number: int):
+        import optuna
+
+        # The pruner is not stored with the study: load it with the sweep's own.
+        self.study = optuna.load_study(study_name=spec.name, storage=storage, pruner=_pruner(spec))
+        self.trial_id = self.study._storage.get_trial_id_from_study_id_trial_number(self.study._study_id,
+                                                                                   trial_number)
+        self.trial = optuna.trial.Trial(self.study, self.trial_id)
+
+    def report(self, value: float, step: int) -> bool:
+        """Record `value` at `step`; True when the pruner says to stop this trial."""
+        self.trial.report(value, step)
+        return self.trial.should_prune()

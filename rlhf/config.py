@@ -182,7 +182,7 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    total_rounds: int = 15
+    total_rounds: int = 30
     steps_per_round: int = 1
     test_freq: int = 1  # evaluate every k rounds
     val_before_train: bool = True
@@ -196,6 +196,7 @@ class TrainerConfig:
     n_gpus_per_node: int = 1
     nnodes: int = 1
     device: str = "auto"  # "auto" | "cpu" | "cuda"
+    num_threads: int = 1  # torch CPU threads per process on CPU (tiny models run fastest on one); 0 => default
     profile_steps: list[int] = field(default_factory=list)
     max_ckpt_to_keep: int = 2
 

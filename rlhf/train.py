@@ -36,6 +36,8 @@ class Run:
         self.cfg = cfg
         self.t0 = time.perf_counter()
         self.device = D.pick_device(cfg.trainer.device)
+        if self.device.type == "cpu" and cfg.trainer.num_threads > 0:
+            torch.set_num_threads(cfg.trainer.num_threads)
         self.rank, self.world = D.init_distributed(self.device)
         torch.manual_seed(cfg.trainer.seed)
         stages.check_sizes(cfg, self.world)

@@ -140,7 +140,7 @@ class CriticConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    name: str = "hf"  # "hf" | "vllm"
+    name: str = "hf"  # "hf" | "hf_fast" (static cache + CUDA graphs) | "vllm"
     n: int = 4  # responses per prompt
     temperature: float = 1.0
     top_p: float = 1.0
@@ -237,7 +237,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "data.truncation": ("error", "left", "right"),
     "model.dtype": ("float32", "bfloat16"),
     "model.sft.lr_schedule": ("constant", "cosine"),
-    "rollout.name": ("hf", "vllm"),
+    "rollout.name": ("hf", "hf_fast", "vllm"),
     "algorithm.adv_estimator": ("gae", "grpo"),
     "algorithm.kl_penalty": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
     "actor.kl_loss_type": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),

@@ -67,7 +67,7 @@ class Run:
     def _make_engine(self, policy_dir: str):
         from rlhf.rollout import make_engine
 
-        model = self.trainer.actor.module if self.cfg.rollout.name == "hf" else None
+        model = self.trainer.actor.module if self.cfg.rollout.name in ("hf", "hf_fast") else None
         return make_engine(self.cfg.rollout.name, policy_dir, self.tokenizer, self.cfg.rollout, model=model,
                            seed=self.cfg.trainer.seed, device=str(self.device), dtype=self.cfg.model.dtype)
 
@@ -126,7 +126,7 @@ class Run:
         if self.rank == 0:
             ckpt.prune(self.out, self.cfg.trainer.max_ckpt_to_keep)
         D.barrier()
-        if self.cfg.rollout.name != "hf":
+        if self.cfg.rollout.name == "vllm":  # the HF engines share the trainer's module
             self.engine.update_weights(str(final / "actor"))
         return final
 

@@ -54,7 +54,7 @@ def test_unknown_key_suggests_closest(tmp_path):
 def test_bad_values_name_the_key():
     with pytest.raises(ConfigError, match="rollout.n"):
         load_config(None, ["rollout.n=abc"])
-    with pytest.raises(ConfigError, match="rollout.name.*hf, vllm"):
+    with pytest.raises(ConfigError, match="rollout.name.*hf, hf_fast, vllm"):
         load_config(None, ["rollout.name=sglang"])
     with pytest.raises(ConfigError, match="key=value"):
         parse_override("actor.clip_ratio")

@@ -27,6 +27,13 @@ TINY = [
 ]
 
 
+def _clean_env() -> dict[str, str]:
+    """The environment for a child process, without the rendezvous variables this process set."""
+    drop = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    return {**env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
 def _free_port() -> int:
     import socket
 
@@ -159,7 +166,7 @@ def test_two_ranks_match_one_rank(tmp_path):
     """torchrun with 2 gloo ranks: identical weights on both ranks, and the same update
     (loss, weights) as one process on the same global batch."""
     script = ROOT / "tests" / "dp_update.py"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = _clean_env()
     single = subprocess.run([sys.executable, str(script), str(tmp_path / "one")], env=env, capture_output=True,
                             text=True, timeout=600)
     assert single.returncode == 0, single.stderr[-3000:]
@@ -238,7 +245,7 @@ def test_round_with_vllm_rollout_pushes_new_weights(tmp_path):
 
 
 def test_cli_writes_summary_json(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = _clean_env()
     summary_path = tmp_path / "s" / "summary.json"
     cmd = [sys.executable, "-m", "rlhf.train", *TINY, f"trainer.output_dir={tmp_path / 'out'}",
            "trainer.total_rounds=1", "--summary-json", str(summary_path)]
@@ -253,7 +260,7 @@ def test_cli_writes_summary_json(tmp_path):
 
 
 def test_cli_rejects_unknown_key_with_suggestion(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = _clean_env()
     proc = subprocess.run([sys.executable, "-m", "rlhf.train", "actor.clip_raito=0.3"], env=env,
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode != 0

@@ -1,6 +1,7 @@
 """Rollout engines, chosen by `rollout.name` through the `ENGINES` registry.
 
 - "hf": `HFRolloutEngine`, a transformers model in this process (CPU or one GPU).
+- "hf_fast": `FastHFRolloutEngine`, its own decode loop with a static KV cache (CUDA graphs on GPU).
 - "vllm": `VLLMRolloutEngine` from `rlhf.rollout.vllm`, imported only when asked for.
 """
 
@@ -27,6 +28,17 @@ def _make_hf(model_dir: str, tokenizer, cfg: RolloutConfig, model=None, seed: in
     if model is None:
         model = load_causal_lm(model_dir, dtype=dtype)
     return HFRolloutEngine(model, tokenizer, batch_size=cfg.generate_batch_size, device=device, seed=seed)
+
+
+@ENGINES.register("hf_fast")
+def _make_hf_fast(model_dir: str, tokenizer, cfg: RolloutConfig, model=None, seed: int = 0,
+                  device: str = "auto", dtype: str = "float32") -> RolloutEngine:
+    from rlhf.models.load import load_causal_lm
+    from rlhf.rollout.fast_decode import FastHFRolloutEngine  # static KV cache + CUDA graphs on GPU
+
+    if model is None:
+        model = load_causal_lm(model_dir, dtype=dtype)
+    return FastHFRolloutEngine(model, tokenizer, batch_size=cfg.generate_batch_size, device=device, seed=seed)
 
 
 @ENGINES.register("vllm")

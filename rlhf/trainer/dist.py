@@ -47,18 +47,27 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
+def _comm_device() -> torch.device:
+    """NCCL reduces CUDA tensors only; gloo CPU tensors."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_reduce(t: torch.Tensor, op) -> torch.Tensor:
+    if world()[1] == 1:
+        return t
+    out = t.detach().to(_comm_device(), copy=True)
+    dist.all_reduce(out, op=op)
+    return out.to(t.device)
+
+
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    if world()[1] > 1:
-        t = t.clone()
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
+    return _all_reduce(t, dist.ReduceOp.SUM)
 
 
 def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
-    if world()[1] > 1:
-        t = t.clone()
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t
+    return _all_reduce(t, dist.ReduceOp.MAX)
 
 
 def mean_across_ranks(values: dict[str, float]) -> dict[str, float]:
@@ -100,6 +109,7 @@ def all_gather_cat(t: torch.Tensor) -> torch.Tensor:
     _, ws = world()
     if ws == 1:
         return t
-    parts = [torch.zeros_like(t) for _ in range(ws)]
-    dist.all_gather(parts, t.contiguous())
-    return torch.cat(parts)
+    src = t.detach().to(_comm_device()).contiguous()
+    parts = [torch.zeros_like(src) for _ in range(ws)]
+    dist.all_gather(parts, src)
+    return torch.cat(parts).to(t.device)

@@ -56,10 +56,11 @@ class PPOTrainer:
 
     def __init__(self, cfg: PPOConfig, sizes: Sizes, actor: torch.nn.Module, critic: torch.nn.Module | None,
                  ref: torch.nn.Module | None, device: torch.device):
-        from rlhf.trainer.engines import build_engine, ds_config
+        from rlhf.trainer.engines import build_engine, ds_config, prepare_module
 
         self.cfg, self.sizes, self.device = cfg, sizes, device
         a, c = cfg.actor, cfg.critic
+        actor, critic = prepare_module(actor, cfg), prepare_module(critic, cfg) if critic is not None else None
         self.actor = build_engine(actor.to(device), ds_config(cfg, a.lr, a.weight_decay, a.grad_clip,
                                                               sizes.micro_batch_per_gpu, device))
         self.actor_guard = NonFiniteGuard(self.actor.module)
@@ -124,7 +125,7 @@ class PPOTrainer:
             if kl is not None:
                 tok = D.all_reduce_sum(torch.stack([kl.sum(), mask.sum()]))
                 seq_kl = D.all_reduce_sum(torch.stack([(kl.sum(-1) / mask.sum(-1).clamp(min=1)).sum(),
-                                                       torch.tensor(float(len(batch)))]))
+                                                       torch.tensor(float(len(batch)), device=kl.device)]))
                 current_kl = float(seq_kl[0] / seq_kl[1])
                 metrics["actor/reward_kl_penalty"] = float(tok[0] / tok[1].clamp(min=1))
                 metrics["actor/reward_kl_penalty_coeff"] = self.kl_ctrl.value if in_reward else 0.0

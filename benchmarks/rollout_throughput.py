@@ -1,0 +1,215 @@
+"""Rollout throughput of the HF engines against plain `model.generate` and the decode roofline.
+
+One call, one model, one workload: `--prompts` prompts (realistic length spread) x `--n`
+samples x up to `--max-tokens` new tokens, all sequences in flight together.
+
+  fast      rlhf.rollout.fast_decode.FastHFRolloutEngine (static KV, packed prefill, CUDA graphs)
+  hf        rlhf.rollout.hf.HFRolloutEngine (DynamicCache, eager decode loop)
+  generate  model.generate(do_sample=True, num_return_sequences=n) with its defaults otherwise
+
+The roofline of a decode step is max(bytes / copy bandwidth, FLOPs / bf16 matmul rate), with
+bytes = the weights once + every row's keys and values up to its current length, and FLOPs
+= 2 x parameters per row + attention over the row's context; summed over the steps the
+rows actually ran.
+
+    python benchmarks/rollout_throughput.py --out benchmarks/results/rollout_throughput_h200.json
+    python benchmarks/rollout_throughput.py --tiny       # CPU-sized check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+import torch  # noqa: E402
+
+import gpu_common as G  # noqa: E402
+
+
+def roofline(model, prompt_lens: list[int], response_lens: list[int]) -> dict:
+    """Lower bound on the decode time of this workload (seconds) and its tokens/s."""
+    cfg = model.config
+    n = G.n_params(model)
+    w_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    d = cfg.hidden_size // cfg.num_attention_heads
+    kv_tok = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * d * next(model.parameters()).element_size()
+    attn_tok = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * d  # QK^T and PV per context token
+    steps = max(response_lens)
+    t_total, t_bytes, t_flops = 0.0, 0.0, 0.0
+    for t in range(steps):
+        ctx = [p + t for p, r in zip(prompt_lens, response_lens) if r > t]
+        if not ctx:
+            break
+        rows, ctx_sum = len(ctx), sum(ctx)
+        b = w_bytes + kv_tok * (ctx_sum + rows)
+        f = 2 * n * rows + attn_tok * ctx_sum
+        t_b, t_f = b / G.COPY_BANDWIDTH, f / G.PEAK_BF16_FLOPS
+        t_total += max(t_b, t_f)
+        t_bytes += t_b
+        t_flops += t_f
+    tokens = sum(response_lens)
+    return {"decode_s": t_total, "tokens_per_s": tokens / t_total, "bytes_bound_s": t_bytes,
+            "flops_bound_s": t_flops, "tokens": tokens}
+
+
+def run_engine(name: str, model, tok, prompts, a, device) -> dict:
+    from rlhf.rollout.base import SamplingParams
+
+    params = SamplingParams(n=a.n, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=a.max_tokens, seed=a.seed)
+    if name == "generate":
+        return run_generate(model, tok, prompts, a, device)
+    if name.startswith("fast"):
+        from rlhf.rollout.fast_decode import FastHFRolloutEngine
+
+        attn = "sdpa" if name == "fast_sdpa" else "auto"
+        engine = FastHFRolloutEngine(model, tok, batch_size=a.batch, device=device, seed=a.seed,
+                                     cuda_graphs=name != "fast_eager", decode_attention=attn)
+    else:
+        from rlhf.rollout.hf import HFRolloutEngine
+
+        engine = HFRolloutEngine(model, tok, batch_size=a.batch, device=device, seed=a.seed)
+    warm = SamplingParams(n=a.n, temperature=1.0, max_tokens=8, seed=a.seed)
+    engine.generate(prompts[: max(1, a.batch // a.n // 8)], warm)
+    G.sync(device)
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, params)
+    G.sync(device)
+    dt = time.perf_counter() - t0
+    new = out.num_response_tokens()
+    res = {"wall_s": dt, "new_tokens": new, "tokens_per_s": new / dt, "sequences": len(out),
+           "response_len_mean": new / len(out), "stop_frac": sum(r == "stop" for r in out.finish_reason) / len(out)}
+    res.update({f"engine_{k}": v for k, v in getattr(engine, "stats", {}).items()})
+    if "engine_decode_s" in res:
+        res["decode_tokens_per_s"] = new / res["engine_decode_s"]
+    res["_response_lens"] = [len(r) for r in out.response_ids]
+    return res
+
+
+def run_generate(model, tok, prompts, a, device) -> dict:
+    """Plain `generate`: left-padded batch of all prompts, sampling, n return sequences."""
+    from rlhf.rollout.hf import left_pad
+
+    ids, mask = left_pad(prompts, tok.pad_token_id, device)
+    kw = dict(do_sample=True, max_new_tokens=a.max_tokens, num_return_sequences=a.n, pad_token_id=tok.pad_token_id,
+              eos_token_id=tok.eos_token_id)
+    model.generate(input_ids=ids[:4], attention_mask=mask[:4], **{**kw, "max_new_tokens": 8})
+    G.sync(device)
+    t0 = time.perf_counter()
+    out = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    G.sync(device)
+    dt = time.perf_counter() - t0
+    gen = out[:, ids.shape[1]:]
+    lens = []
+    for row in gen.tolist():  # up to and including the first EOS
+        lens.append(next((i + 1 for i, t in enumerate(row) if t == tok.eos_token_id), len(row)))
+    new = sum(lens)
+    return {"wall_s": dt, "new_tokens": new, "tokens_per_s": new / dt, "sequences": len(lens),
+            "response_len_mean": new / len(lens), "_response_lens": lens,
+            "generate_kwargs": {k: v for k, v in kw.items() if k not in ("pad_token_id", "eos_token_id")}}
+
+
+def agreement(model, tok, prompts, device, max_tokens: int = 24) -> dict:
+    """Greedy decoding by the fast and the plain HF engine on a few prompts: identical token
+    fraction and the largest gap between their log-probs over the common prefix."""
+    from rlhf.rollout.base import SamplingParams
+    from rlhf.rollout.fast_decode import FastHFRolloutEngine
+    from rlhf.rollout.hf import HFRolloutEngine
+
+    p = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens)
+    a = HFRolloutEngine(model, tok, batch_size=len(prompts), device=device).generate(prompts, p)
+    out = {}
+    for attn in ("auto", "sdpa"):
+        b = FastHFRolloutEngine(model, tok, batch_size=len(prompts), device=device, decode_attention=attn
+                                ).generate(prompts, p)
+        same = [x == y for ra, rb in zip(a.response_ids, b.response_ids) for x, y in zip(ra, rb)]
+        gaps, first = [], []
+        for ra, rb, la, lb in zip(a.response_ids, b.response_ids, a.logprobs, b.logprobs):
+            k = next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y), min(len(ra), len(rb)))
+            gaps += [abs(u - v) for u, v in zip(la[:k], lb[:k])]
+            first.append(abs(la[0] - lb[0]))
+        out[attn] = {"same_token_frac": sum(same) / max(len(same), 1), "max_logprob_gap_common_prefix": max(gaps),
+                     "max_first_token_logprob_gap": max(first)}
+    return out
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="1.5b", choices=sorted(G.SHAPES))
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--engines", default="fast,fast_sdpa,hf,generate")
+    p.add_argument("--prompts", type=int, default=256)
+    p.add_argument("--rollout-n", dest="n", type=int, default=4, help="samples per prompt")
+    p.add_argument("--max-prompt", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--batch", type=int, default=1024, help="sequences in flight (engine batch_size)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/results/rollout_throughput.json")
+    a = p.parse_args(argv)
+    if a.tiny:
+        a.model, a.prompts, a.max_prompt, a.max_tokens, a.batch = "tiny", 8, 24, 16, 32
+    return a
+
+
+def main(argv=None) -> None:
+    a = parse(argv)
+    device = G.pick_device(a.tiny)
+    dtype = torch.float32 if a.tiny else torch.bfloat16
+    model = G.build_policy(a.model, device, dtype).eval()
+    tok = G.synthetic_tokenizer(model.config.vocab_size)
+    p_lens, _ = G.sample_lengths(a.prompts, 1, a.max_prompt, 2, seed=a.seed, min_response=1)
+    g = torch.Generator().manual_seed(a.seed)
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in p_lens]
+    result = {"benchmark": "rollout_throughput", "env": G.environment(device), "model": a.model,
+              "n_params": G.n_params(model), "workload": {"prompts": a.prompts, "n": a.n, "max_tokens": a.max_tokens,
+                                                          "sequences_in_flight": a.batch,
+                                                          "prompt_len_mean": sum(p_lens) / len(p_lens),
+                                                          "prompt_len_max": max(p_lens)},
+              "peak_bf16_flops": G.PEAK_BF16_FLOPS, "copy_bandwidth": G.COPY_BANDWIDTH, "engines": {}}
+    try:
+        result["agreement_greedy"] = agreement(model, tok, prompts[:16], device)
+    except Exception as e:
+        result["agreement_greedy"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+    for name in [e for e in a.engines.split(",") if e]:
+        try:
+            r = run_engine(name, model, tok, prompts, a, device)
+            lens = r.pop("_response_lens")
+            rl = roofline(model, [p for p in p_lens for _ in range(a.n)], lens)
+            r["roofline"] = rl
+            r["decode_fraction_of_roofline"] = (rl["decode_s"] / r["engine_decode_s"]) if "engine_decode_s" in r \
+                else None
+            r["fraction_of_roofline_end_to_end"] = rl["decode_s"] / r["wall_s"]
+            if device.type == "cuda":
+                r["peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+                torch.cuda.reset_peak_memory_stats(device)
+        except Exception as e:
+            r = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+        result["engines"][name] = r
+        print(name, json.dumps({k: v for k, v in r.items() if k != "traceback"})[:600], flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        G.write_json(a.out, result)
+    tps = {k: v.get("tokens_per_s") for k, v in result["engines"].items()}
+    summary = {"tokens_per_s": tps}
+    if tps.get("fast") and tps.get("generate"):
+        summary["fast_over_generate"] = tps["fast"] / tps["generate"]
+    if tps.get("fast") and tps.get("hf"):
+        summary["fast_over_hf_engine"] = tps["fast"] / tps["hf"]
+    best = max((k for k in tps if k.startswith("fast") and tps[k]), key=lambda k: tps[k], default=None)
+    if best:
+        e = result["engines"][best]
+        summary.update(best_fast=best, best_fast_decode_fraction_of_roofline=e.get("decode_fraction_of_roofline"),
+                       best_fast_end_to_end_fraction_of_roofline=e.get("fraction_of_roofline_end_to_end"))
+    result["summary"] = summary
+    G.write_json(a.out, result)
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,486 @@
+"""PPO update throughput on one GPU (or ranks under torchrun): ours against TRL's GRPO step.
+
+Every variant runs in its own process (fresh memory, its own peak) on the same synthetic
+scored batch: `train_batch_size` prompts x `rollout.n` responses with a realistic length
+spread (gpu_common.sample_lengths), actor + critic + frozen reference.
+
+Variants (ours: `rlhf.trainer.ppo.PPOTrainer` stage by stage, exactly the calls of `round`):
+  padded       fixed micro-batches of rows, padded (trimmed to the micro-batch's longest row)
+  packed       sequence packing + dynamic batch size (token budget per micro-batch)
+  packed_ckpt  the same with activation checkpointing
+  grpo_packed  no critic, GRPO advantages, KL loss (the work of TRL's GRPO step)
+  check        log-probs and gradients of the fast paths against the model's own forward
+  trl          TRL's GRPOTrainer step on the same model and batch: reference and old
+               log-probs, then compute_loss + backward + optimizer step per micro-batch
+
+    python benchmarks/update_throughput.py --variants padded,packed,trl --out benchmarks/results/x.json
+    python benchmarks/update_throughput.py --tiny --variants padded,packed   # CPU-sized check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+import torch  # noqa: E402
+
+import gpu_common as G  # noqa: E402
+
+OURS = {
+    "padded": ["data.use_sequence_packing=false", "actor.use_dynamic_bsz=false"],
+    "packed": ["data.use_sequence_packing=true", "actor.use_dynamic_bsz=true"],
+    "packed_ckpt": ["data.use_sequence_packing=true", "actor.use_dynamic_bsz=true",
+                    "model.enable_gradient_checkpointing=true"],
+    "grpo_packed": ["data.use_sequence_packing=true", "actor.use_dynamic_bsz=true", "algorithm.adv_estimator=grpo",
+                    "actor.use_kl_loss=true", "algorithm.use_kl_in_reward=false"],
+    "grpo_padded": ["data.use_sequence_packing=false", "actor.use_dynamic_bsz=false",
+                    "algorithm.adv_estimator=grpo", "actor.use_kl_loss=true", "algorithm.use_kl_in_reward=false"],
+}
+
+
+def base_overrides(a, world: int) -> list[str]:
+    return [
+        f"data.train_batch_size={a.prompts}", f"rollout.n={a.n}", f"data.max_prompt_length={a.max_prompt}",
+        f"data.max_response_length={a.max_response}", f"actor.ppo_mini_batch_size={a.mini}",
+        f"actor.ppo_micro_batch_size_per_gpu={a.micro}", f"critic.ppo_micro_batch_size_per_gpu={a.micro}",
+        f"actor.ppo_max_token_len_per_gpu={a.max_tokens}", "model.dtype=bfloat16",
+        f"deepspeed.bf16={'false' if a.tiny else 'true'}", f"deepspeed.zero_stage={a.zero}",
+        "trainer.logger=[none]", f"trainer.n_gpus_per_node={world}", "algorithm.kl_ctrl.kl_coef=0.001",
+        "actor.clip_ratio=0.2", "actor.lr=1e-6", "critic.lr=1e-5",
+    ] + list(a.override)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ours
+# ---------------------------------------------------------------------------------------------
+
+
+def run_ours(a, variant: str) -> dict:
+    from rlhf import stages
+    from rlhf.config import derive_sizes, load_config
+    from rlhf.trainer import dist as D
+    from rlhf.trainer.engines import prepare_module
+    from rlhf.trainer.forward import use_varlen_attention
+    from rlhf.trainer.ppo import PPOTrainer
+
+    device = G.pick_device(a.tiny)
+    init_process_group(device)
+    rank, world = D.init_distributed(device)
+    cfg = load_config(None, base_overrides(a, world) + OURS[variant])
+    sizes = derive_sizes(cfg, world)
+    dtype = torch.float32 if a.tiny else torch.bfloat16
+    actor, critic, ref = G.build_models(a.model, device, dtype, with_critic=cfg.algorithm.adv_estimator == "gae")
+    prepare_module(actor, cfg)
+    if critic is not None:
+        prepare_module(critic, cfg)
+    if cfg.data.use_sequence_packing:
+        use_varlen_attention(ref)
+    n_actor, n_critic = G.n_params(actor), (G.n_params(critic) if critic is not None else 0)
+    n_embed = actor.get_input_embeddings().weight.numel()
+    trainer = PPOTrainer(cfg, sizes, actor, critic, ref, device)
+
+    p_lens, r_lens = G.sample_lengths(a.prompts, a.n, a.max_prompt, a.max_response, seed=a.seed)
+    full, _, _ = G.scored_buffer(p_lens, r_lens, a.n, actor.config.vocab_size, seed=a.seed)
+    import pandas as pd  # the rank's share exactly as `stages.update` takes it
+
+    rows = pd.DataFrame({"i": range(len(full))})
+    local_rows = stages.shard(rows, cfg.trainer.steps_per_round, rank, world)["i"].tolist()
+    buf = full.select(local_rows).to(device)
+    tokens_local = float(buf.attention_mask.sum())
+    resp_tokens_local = float(buf.response_mask.sum())
+
+    steps = []
+    for it in range(a.warmup + a.steps):
+        timer = G.StageTimer(device)
+        with timer("total"):
+            with timer("old_log_prob"):
+                b = trainer.behaviour_log_probs(buf)
+            with timer("ref"):
+                b = trainer.reference_log_probs(b)
+            with timer("values"):
+                b = trainer.critic_values(b)
+            with timer("adv"), torch.device(device):  # scalars it builds with torch.tensor go to the device
+                b, m = trainer.advantages(b)
+            with timer("update_critic"):
+                m.update(trainer.update_critic(b))
+            with timer("update_actor"):
+                m.update(trainer.update_actor(b))
+        if it >= a.warmup:
+            steps.append({"times_s": timer.times, "peak_gb": timer.peak_gb, "alloc_retries": timer.alloc_retries,
+                          "pg_loss": m.get("actor/pg_loss"), "vf_loss": m.get("critic/vf_loss"),
+                          "skipped": trainer.skipped_steps})
+        if rank == 0:
+            print(f"[{variant}] step {it}: " + " ".join(f"{k}={v:.2f}s" for k, v in timer.times.items()), flush=True)
+    tot = D.all_reduce_sum(torch.tensor([tokens_local, resp_tokens_local], dtype=torch.float64)).tolist()
+    out = summarize(steps, tokens=tot[0], resp_tokens=tot[1], world=world, n_actor=n_actor, n_critic=n_critic,
+                    n_embed=n_embed, peak=0 if a.tiny else G.PEAK_BF16_FLOPS)
+    out.update(variant=variant, world_size=world, config_overrides=base_overrides(a, world) + OURS[variant],
+               sizes=sizes.__dict__, n_params_actor=n_actor, n_params_critic=n_critic,
+               lengths=G.length_stats(p_lens, r_lens))
+    if device.type == "cuda":
+        out["peak_gb_process"] = torch.cuda.max_memory_reserved(device) / 2**30
+        peaks = D.all_gather_cat(torch.tensor([out["peak_gb_process"]], device=device)).tolist()
+        out["peak_gb_reserved_per_rank"] = peaks
+    return out if rank == 0 else {}
+
+
+def init_process_group(device: torch.device) -> None:
+    """One group that runs collectives on CPU tensors (gloo) and on GPU tensors (NCCL)."""
+    import torch.distributed as dist
+
+    if device.type != "cuda" or dist.is_initialized():
+        return
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(k, v)
+    if "MASTER_PORT" not in os.environ:
+        from rlhf.trainer.dist import _free_port
+
+        os.environ["MASTER_PORT"] = str(_free_port())
+    dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
+
+
+def run_check(a) -> dict:
+    """The fast paths against the plain ones on this device: log-probs and gradients of the
+    packed (variable-length attention, fused LM head) and padded (SDPA) layouts against the
+    model's own logits, on a few sequences of the benchmark's length spread."""
+    import inspect
+
+    from rlhf import algos
+    from rlhf.trainer import forward as F
+
+    device = G.pick_device(a.tiny)
+    dtype = torch.float32 if a.tiny else torch.bfloat16
+    model = G.build_policy(a.model, device, dtype)
+    p_lens, r_lens = G.sample_lengths(4, 4, a.max_prompt, a.max_response, seed=a.seed + 1)
+    buf, _, _ = G.scored_buffer(p_lens, r_lens, 4, model.config.vocab_size, seed=a.seed + 1)
+    buf = buf.to(device)
+    w = torch.randn(buf.response_mask.shape, device=device) * buf.response_mask
+    probe = [model.model.layers[0].self_attn.q_proj.weight, model.model.embed_tokens.weight]
+
+    def run(kind):
+        model.zero_grad(set_to_none=True)
+        if kind == "reference":  # the model's own forward, full logits, SDPA with a padding mask
+            model.set_attn_implementation("sdpa")
+            R = buf.responses.shape[1]
+            logits = model(input_ids=buf.input_ids, attention_mask=buf.attention_mask,
+                           position_ids=buf.position_ids, use_cache=False).logits[:, -R - 1:-1].float()
+            lp = algos.logprobs_from_logits(logits, buf.responses) * buf.response_mask
+        else:
+            lp, _ = F.log_probs(model, buf, 1.0, packed=kind == "packed", with_entropy=True)
+        sync = G.sync
+        (lp * w).sum().backward()
+        sync(device)
+        return lp.detach(), [p.grad.detach().float().clone() for p in probe]
+
+    ref_lp, ref_g = run("reference")
+    out = {"varlen_attn_api": None, "n_tokens": float(buf.attention_mask.sum())}
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+
+        out["varlen_attn_api"] = str(inspect.signature(varlen_attn))
+    except ImportError:
+        pass
+    for kind in ("padded", "packed"):
+        lp, g = run(kind)
+        mask = buf.response_mask.bool()
+        out[kind] = {"max_abs_logprob_diff": float((lp - ref_lp)[mask].abs().max()),
+                     "mean_abs_logprob_diff": float((lp - ref_lp)[mask].abs().mean()),
+                     "grad_rel_err": [float((x - y).norm() / y.norm()) for x, y in zip(g, ref_g)]}
+    out["flash_varlen_used"] = F._FLASH_OK.get("varlen", True) and device.type == "cuda"
+    out["variant"] = "check"
+    print(json.dumps(out, indent=1), flush=True)
+    return out
+
+
+def run_attn_check(a) -> dict:
+    """The variable-length flash kernel against per-sequence SDPA in float32, and SDPA in bf16 for
+    scale: relative error of outputs and of q/k/v gradients, Qwen2.5-1.5B head layout."""
+    from rlhf.trainer import forward as F
+
+    device = G.pick_device(a.tiny)
+    torch.manual_seed(0)
+    lens = [300, 17, 512, 128, 64, 700]
+    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+    T, hq, hkv, d = sum(lens), 12, 2, 128
+    q, k, v = (torch.randn(T, h, d, device=device) for h in (hq, hkv, hkv))
+    go = torch.randn(T, hq, d, device=device)
+    scale = d ** -0.5
+
+    def run(fn, dtype):
+        xs = [t.detach().to(dtype).clone().requires_grad_(True) for t in (q, k, v)]
+        out = fn(*xs)
+        out.backward(go.to(dtype))
+        return [out.float()] + [x.grad.float() for x in xs]
+
+    ref = run(lambda *x: F.varlen_reference(*x, cu.tolist(), scale), torch.float32)
+    res = {}
+    for name, fn in (("flash_bf16", lambda *x: F.varlen_flash(*x, cu, max(lens), scale)),
+                     ("sdpa_bf16", lambda *x: F.varlen_reference(*x, cu.tolist(), scale))):
+        try:
+            got = run(fn, torch.bfloat16)
+            res[name] = {n: float((g - r).norm() / r.norm()) for n, g, r in zip(("out", "dq", "dk", "dv"), got, ref)}
+        except Exception as e:
+            res[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    res["variant"] = "attn_check"
+    print(json.dumps(res), flush=True)
+    return res
+
+
+def summarize(steps: list[dict], tokens: float, resp_tokens: float, world: int, n_actor: int, n_critic: int,
+              n_embed: int, peak: float) -> dict:
+    """Median stage times over timed steps; tokens/s and MFU (6 N T for a trained model,
+    2 N T for a forward-only pass; N the parameters that multiply per token)."""
+    import statistics
+
+    keys = steps[0]["times_s"].keys()
+    t = {k: statistics.median(s["times_s"][k] for s in steps) for k in keys}
+    peak_gb = {k: max(s["peak_gb"].get(k, 0.0) for s in steps) for k in keys}
+    out = {"stage_time_s": t, "stage_peak_allocated_gb": peak_gb, "steps_timed": len(steps),
+           "stage_alloc_retries": [s.get("alloc_retries", {}) for s in steps],
+           "tokens_per_step": tokens, "response_tokens_per_step": resp_tokens,
+           "tokens_per_s": tokens / t["total"], "tokens_per_s_per_gpu": tokens / t["total"] / world,
+           "losses": [{"pg_loss": s["pg_loss"], "vf_loss": s["vf_loss"]} for s in steps]}
+    if peak:
+        n_critic_mm = max(n_critic - n_embed, 0)  # the critic's embedding is a lookup, it has no LM head
+        flops = {
+            "update_actor": 6 * n_actor * tokens, "old_log_prob": 2 * n_actor * tokens, "ref": 2 * n_actor * tokens,
+            "values": 2 * n_critic_mm * tokens if n_critic else 0, "update_critic": 6 * n_critic_mm * tokens,
+        }
+        out["mfu_actor"] = flops["update_actor"] / t["update_actor"] / world / peak
+        # the LM head only over response positions, as the fused path computes it
+        needed = 6 * ((n_actor - n_embed) * tokens + n_embed * resp_tokens)
+        out["mfu_actor_needed_flops"] = needed / t["update_actor"] / world / peak
+        if n_critic and t.get("update_critic", 0) > 0:
+            out["mfu_critic"] = flops["update_critic"] / t["update_critic"] / world / peak
+        out["mfu_step"] = sum(flops[k] for k in flops if k in t and t[k] > 0) / t["total"] / world / peak
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# TRL
+# ---------------------------------------------------------------------------------------------
+
+
+def run_trl(a) -> dict:
+    """TRL's GRPOTrainer on the same model and batch, driven without generation: the
+    reference and old log-probs of `_generate_and_score_completions`, then per micro-batch
+    `compute_loss` + `accelerator.backward`, with an optimizer step per mini-batch."""
+    import trl
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlhf.models.tokenizer import build_char_tokenizer
+
+    device = G.pick_device(a.tiny)
+    dtype = torch.float32 if a.tiny else torch.bfloat16
+    tok = build_char_tokenizer()
+    model_dir = tempfile.mkdtemp(prefix="trl-policy-")
+    policy = G.build_policy(a.model, device, dtype)
+    policy.config.pad_token_id = tok.pad_token_id
+    policy.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    vocab = policy.config.vocab_size
+    n_actor, n_embed = G.n_params(policy), policy.get_input_embeddings().weight.numel()
+    del policy
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+
+    rows = a.prompts * a.n
+    micro, mini_rows = a.micro, a.mini * a.n
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl-out-"), per_device_train_batch_size=micro,
+        gradient_accumulation_steps=mini_rows // micro, steps_per_generation=rows // micro,
+        num_generations=a.n, max_completion_length=a.max_response, beta=0.001, epsilon=0.2, learning_rate=1e-6,
+        loss_type="bnpo", bf16=not a.tiny, use_cpu=device.type == "cpu", report_to="none",
+        gradient_checkpointing=False, model_init_kwargs={"dtype": dtype}, save_strategy="no",
+        logging_steps=10**6, max_grad_norm=1.0, disable_dropout=True, seed=a.seed)
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=[_zero_reward], args=args,
+                          train_dataset=Dataset.from_dict({"prompt": ["1+1="] * rows}), processing_class=tok)
+    trainer.create_optimizer()
+    model, optimizer = trainer.accelerator.prepare(trainer.model, trainer.optimizer)
+    trainer.model_wrapped = model
+    trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps
+    model.train()
+
+    p_lens, r_lens = G.sample_lengths(a.prompts, a.n, a.max_prompt, a.max_response, seed=a.seed)
+    _, prompts, responses = G.scored_buffer(p_lens, r_lens, a.n, vocab, seed=a.seed)
+    batch = trl_layout(prompts, responses, tok.pad_token_id, device)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    keep = batch["completion_ids"].shape[1]
+    tokens = float(mask.sum())
+    resp_tokens = float(batch["completion_mask"].sum())
+
+    steps = []
+    for it in range(a.warmup + a.steps):
+        timer = G.StageTimer(device)
+        with timer("total"):
+            with torch.no_grad():
+                with timer("old_log_prob"):
+                    old, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, keep, batch_size=micro)
+                with timer("ref"):
+                    ref, _, _ = trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, mask, keep,
+                                                                           batch_size=micro)
+            inputs = dict(batch, old_per_token_logps=old, ref_per_token_logps=ref,
+                          advantages=torch.randn(rows, device=device))
+            with timer("update_actor"):
+                for s in range(0, rows, mini_rows):
+                    for m in range(s, s + mini_rows, micro):
+                        part = {k: v[m:m + micro] for k, v in inputs.items()}
+                        loss = trainer.compute_loss(model, part)
+                        trainer.accelerator.backward(loss)
+                    trainer.accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+        if it >= a.warmup:
+            steps.append({"times_s": timer.times, "peak_gb": timer.peak_gb, "alloc_retries": timer.alloc_retries,
+                          "pg_loss": float(loss.detach()), "vf_loss": None})
+        print("[trl] step %d: " % it + " ".join(f"{k}={v:.2f}s" for k, v in timer.times.items()), flush=True)
+    out = summarize(steps, tokens=tokens, resp_tokens=resp_tokens, world=1, n_actor=n_actor, n_critic=0,
+                    n_embed=n_embed, peak=0 if a.tiny else G.PEAK_BF16_FLOPS)
+    out.update(variant="trl", world_size=1, trl_version=trl.__version__, lengths=G.length_stats(p_lens, r_lens),
+               trl_args={k: getattr(args, k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
+                                                       "steps_per_generation", "beta", "loss_type", "bf16",
+                                                       "gradient_checkpointing", "optim", "max_grad_norm")},
+               padded_tokens_per_step=float(mask.numel()), n_params_actor=n_actor,
+               optimizer=type(getattr(optimizer, "optimizer", optimizer)).__name__)
+    if device.type == "cuda":
+        out["peak_gb_process"] = torch.cuda.max_memory_reserved(device) / 2**30
+    return out
+
+
+def _zero_reward(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+def trl_layout(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device) -> dict:
+    """TRL's batch layout: prompts left-padded and completions right-padded to the batch's widths."""
+    P, R = max(map(len, prompts)), max(map(len, responses))
+    out = {"prompt_ids": torch.full((len(prompts), P), pad_id), "prompt_mask": torch.zeros(len(prompts), P),
+           "completion_ids": torch.full((len(prompts), R), pad_id), "completion_mask": torch.zeros(len(prompts), R)}
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        out["prompt_ids"][i, P - len(p):] = torch.tensor(p)
+        out["prompt_mask"][i, P - len(p):] = 1
+        out["completion_ids"][i, :len(r)] = torch.tensor(r)
+        out["completion_mask"][i, :len(r)] = 1
+    out["prompt_mask"] = out["prompt_mask"].long()
+    out["completion_mask"] = out["completion_mask"].long()
+    return {k: v.to(device) for k, v in out.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------------
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", default="padded,packed,trl")
+    p.add_argument("--variant", default="", help="run one variant in this process (used by the driver)")
+    p.add_argument("--model", default="1.5b", choices=sorted(G.SHAPES))
+    p.add_argument("--tiny", action="store_true", help="CPU-sized: tiny model, short sequences, fp32")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--rollout-n", dest="n", type=int, default=4, help="responses per prompt")
+    p.add_argument("--max-prompt", type=int, default=512)
+    p.add_argument("--max-response", type=int, default=512)
+    p.add_argument("--mini", type=int, default=16, help="actor.ppo_mini_batch_size, in prompts")
+    p.add_argument("--micro", type=int, default=8, help="micro-batch rows of the padded paths and of TRL")
+    p.add_argument("--max-tokens", type=int, default=16384, help="actor.ppo_max_token_len_per_gpu")
+    p.add_argument("--zero", type=int, default=0)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=int, default=900, help="seconds per variant process")
+    p.add_argument("--override", action="append", default=[], help="extra config key=value for our variants")
+    p.add_argument("--out", default="benchmarks/results/update_throughput.json")
+    a = p.parse_args(argv)
+    if a.tiny:
+        a.model = "tiny"
+        a.max_prompt, a.max_response = min(a.max_prompt, 48), min(a.max_response, 48)
+        a.prompts, a.mini, a.micro = min(a.prompts, 8), min(a.mini, 4), min(a.micro, 4)
+        a.max_tokens = min(a.max_tokens, 256)
+        a.steps, a.warmup = min(a.steps, 1), min(a.warmup, 1)
+    return a
+
+
+def run_one(a) -> None:
+    try:
+        if a.variant == "check":
+            res = run_check(a)
+        elif a.variant == "attn_check":
+            res = run_attn_check(a)
+        else:
+            res = run_trl(a) if a.variant == "trl" else run_ours(a, a.variant)
+    except Exception as e:  # recorded, so that one failed variant does not hide the others
+        res = {"variant": a.variant, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+        print(res["traceback"], file=sys.stderr, flush=True)
+    if res:
+        res["env"] = G.environment(torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                                   else torch.device("cpu"))
+        G.write_json(a.out, res)
+
+
+def main(argv=None) -> None:
+    a = parse(argv)
+    if a.variant:
+        return run_one(a)
+    if not a.tiny and not torch.cuda.is_available():
+        raise SystemExit("no GPU here: pass --tiny to run the CPU-sized version")
+    results, t0 = {}, time.time()
+    for v in [x for x in a.variants.split(",") if x]:
+        out = Path(tempfile.mkdtemp()) / f"{v}.json"
+        cmd = [sys.executable, __file__, "--variant", v, "--out", str(out)] + _without(argv or sys.argv[1:],
+                                                                                       ("--variants", "--out"))
+        t = time.time()
+        try:
+            proc = subprocess.run(cmd, timeout=a.timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        except subprocess.TimeoutExpired:
+            proc = subprocess.CompletedProcess(cmd, returncode=f"timeout after {a.timeout} s")
+        results[v] = json.loads(out.read_text()) if out.exists() else {"error": f"exit code {proc.returncode}"}
+        results[v]["wall_s_with_setup"] = time.time() - t
+        summary = compare(results)
+        env = next((r["env"] for r in results.values() if "env" in r), {})
+        G.write_json(a.out, {"benchmark": "update_throughput", "env": env, "model": a.model,
+                             "batch": {"prompts": a.prompts, "n": a.n, "sequences": a.prompts * a.n,
+                                       "max_prompt": a.max_prompt, "max_response": a.max_response},
+                             "peak_bf16_flops": G.PEAK_BF16_FLOPS, "summary": summary, "variants": results,
+                             "wall_s": time.time() - t0})
+    print(json.dumps(summary, indent=1))
+
+
+def _without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """`argv` minus the given flags and their values (`--f v` or `--f=v`)."""
+    out, skip = [], False
+    for x in argv:
+        if skip:
+            skip = False
+        elif x in flags:
+            skip = True
+        elif not x.startswith(tuple(f + "=" for f in flags)):
+            out.append(x)
+    return out
+
+
+def compare(results: dict) -> dict:
+    """The ratios the targets are stated in, where both sides ran."""
+    tps = {k: v.get("tokens_per_s") for k, v in results.items() if v.get("tokens_per_s")}
+    out = {"tokens_per_s": tps, "mfu_actor": {k: v.get("mfu_actor") for k, v in results.items()},
+           "errors": {k: v["error"] for k, v in results.items() if "error" in v}}
+    if "packed" in tps and "padded" in tps:
+        out["packed_over_padded"] = tps["packed"] / tps["padded"]
+    if "grpo_packed" in tps and "trl" in tps:
+        out["ours_grpo_over_trl"] = tps["grpo_packed"] / tps["trl"]
+    return out
+
+
+if __name__ == "__main__":
+    main()

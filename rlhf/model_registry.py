@@ -49,19 +49,22 @@ def register(tracking_uri: str, name: str, model_dir: str, val_score: float, exp
     from rlhf.tracking import MLflowSink
 
     client = _client(tracking_uri)
-    sink = MLflowSink(tracking_uri, experiment, run_name=f"register-{name}", run_id=run_id or None)
-    try:
-        sink.log_artifact(model_dir, artifact_path="model")
-    finally:
-        if not run_id:
+    if run_id:  # an existing (training) run: add the files, leave its status alone
+        client.log_artifacts(run_id, model_dir, "model")
+    else:
+        sink = MLflowSink(tracking_uri, experiment, run_name=f"register-{name}")
+        try:
+            sink.log_artifact(model_dir, artifact_path="model")
+        finally:
             sink.close()
-    source = f"{client.get_run(sink.run_id).info.artifact_uri.rstrip('/')}/model"
+        run_id = sink.run_id
+    source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/model"
     try:
         client.get_registered_model(name)
     except MlflowException:
         client.create_registered_model(name)
     version_tags = {VAL_SCORE_TAG: repr(float(val_score)), **(tags or {})}
-    mv = client.create_model_version(name, source, run_id=sink.run_id, tags=version_tags)
+    mv = client.create_model_version(name, source, run_id=run_id, tags=version_tags)
     return _as_version(client.get_model_version(name, mv.version))
 
 
@@ -74,6 +77,11 @@ def champion(tracking_uri: str, name: str) -> Optional[ModelVersion]:
         return _as_version(client.get_model_version_by_alias(name, CHAMPION))
     except MlflowException:
         return None
+
+
+def version(tracking_uri: str, name: str, version: str) -> ModelVersion:
+    """Version `version` of registered model `name`."""
+    return _as_version(_client(tracking_uri).get_model_version(name, version))
 
 
 def download(tracking_uri: str, version: ModelVersion, dst_dir: str) -> str:

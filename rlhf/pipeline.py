@@ -58,6 +58,14 @@ def record_update(state: RoundState, steps: list[dict[str, float]], kl_coef: flo
     return replace(new, kl_coef=float(kl_coef), round=state.round + 1)
 
 
+def pick_device(cfg: PPOConfig) -> torch.device:
+    """The configured device; on CPU, torch runs `trainer.num_threads` threads (as `rlhf.train` does)."""
+    device = D.pick_device(cfg.trainer.device)
+    if device.type == "cpu" and cfg.trainer.num_threads > 0:
+        torch.set_num_threads(cfg.trainer.num_threads)
+    return device
+
+
 def build_trainer(cfg: PPOConfig, sizes: Sizes, base_dir: str, device: torch.device,
                   resume: Optional[Path] = None):
     """A `PPOTrainer`: actor and critic from checkpoint `resume` (its safetensors models) or,
@@ -189,7 +197,7 @@ def rollout_policy(cfg: PPOConfig, model_dir: str, prompts: pd.DataFrame, state:
                    ) -> tuple[pd.DataFrame, dict[str, float]]:
     """`rollout.n` sampled responses per prompt from the policy saved in `model_dir`
     (a RolloutSchema table) and the rollout metrics, with the round's seed."""
-    device = D.pick_device(cfg.trainer.device)
+    device = pick_device(cfg)
     t = time.perf_counter()
     engine, tokenizer = _make_engine(cfg, model_dir, device)
     try:
@@ -203,7 +211,7 @@ def rollout_policy(cfg: PPOConfig, model_dir: str, prompts: pd.DataFrame, state:
 
 def score_rollouts(cfg: PPOConfig, rollouts: pd.DataFrame) -> pd.DataFrame:
     """The rollouts with their reward (ScoredRolloutSchema)."""
-    reward_model = stages.load_reward_model(cfg, D.pick_device(cfg.trainer.device))
+    reward_model = stages.load_reward_model(cfg, pick_device(cfg))
     return stages.score(rollouts, cfg, reward_model)
 
 
@@ -231,7 +239,7 @@ def update_from_checkpoint(cfg: PPOConfig, base_model_dir: str, checkpoint_dir: 
     """
     from rlhf.models.load import load_tokenizer
 
-    device = D.pick_device(cfg.trainer.device)
+    device = pick_device(cfg)
     rank, world = D.init_distributed(device)
     torch.manual_seed(cfg.trainer.seed)
     stages.check_sizes(cfg, world)
@@ -260,7 +268,7 @@ def update_from_checkpoint(cfg: PPOConfig, base_model_dir: str, checkpoint_dir: 
 def evaluate_policy(cfg: PPOConfig, model_dir: str, val: pd.DataFrame, state: RoundState, sink=None
                     ) -> tuple[RoundState, dict[str, float]]:
     """Greedy validation of the policy saved in `model_dir`; the score is recorded in the state."""
-    device = D.pick_device(cfg.trainer.device)
+    device = pick_device(cfg)
     engine, tokenizer = _make_engine(cfg, model_dir, device)
     try:
         metrics = stages.evaluate(engine, tokenizer, val, cfg, stages.load_reward_model(cfg, device))

@@ -35,7 +35,9 @@ def training_figure(state: RoundState, stop_reason: str = ""):
     """A 2 x 4 grid: validation score first, then the `PANELS`."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(16, 7), layout="constrained")
+    fig = Figure(figsize=(16, 7))
+    # Fixed margins: a layout engine would double the drawing time (~0.4 s -> 0.8 s).
+    fig.subplots_adjust(left=0.04, right=0.96, top=0.9, bottom=0.08, wspace=0.45, hspace=0.35)
     axes = fig.subplots(2, 4).flatten()
     ax = axes[0]
     ax.plot([v["step"] for v in state.val_history], [v["score"] for v in state.val_history], "o-", color="C2")
@@ -47,6 +49,7 @@ def training_figure(state: RoundState, stop_reason: str = ""):
             ax2 = ax.twinx()
             ax2.plot(*_series(state, twin[0]), "--", color="C3", label=twin[1])
             ax2.set_ylabel(twin[1], color="C3")
+            ax.set_ylabel(lines[0][1], color="C0")
         if len(lines) > 1:
             ax.legend(loc="best", fontsize="small")
         ax.set_title(title)
@@ -76,3 +79,10 @@ def training_html(state: RoundState, stop_reason: str = "") -> str:
             f'last {state.last_val:.4f}); <b>kl_coef:</b> {state.kl_coef:.5g}</p>'
             f'<img class="training-curves" alt="training curves" src="data:image/png;base64,{png}"/>'
             f'<table class="last-step"><tr><th>metric (last step)</th><th>value</th></tr>{rows}</table></div>')
+
+
+def metrics_html(metrics: dict[str, float], title: str = "") -> str:
+    """A flat metrics dict as a two-column HTML table (cheap: no figure)."""
+    rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{v:.5g}</td></tr>" for k, v in sorted(metrics.items()))
+    head = f"<p><b>{html.escape(title)}</b></p>" if title else ""
+    return f'<div class="rlhf-metrics">{head}<table><tr><th>metric</th><th>value</th></tr>{rows}</table></div>'

@@ -1,0 +1,69 @@
+"""What the task modules share: the typed tables, resource presets and error mapping.
+
+Tables cross task boundaries as pandera-typed DataFrames (parquet underneath), validated
+on every input and output by flytekitplugins-pandera, whose report is published as a deck.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import flytekitplugins.pandera  # noqa: F401  (registers the pandera DataFrame type)
+import torch.distributed as dist
+from flytekit import Resources, current_context
+from flytekit.deck import DeckField
+from flytekit.exceptions.user import FlyteRecoverableException
+from flytekit.extras.accelerators import H100
+from pandera.typing import DataFrame
+
+from schemas import PromptSchema, RolloutSchema, ScoredRolloutSchema
+
+Prompts = DataFrame[PromptSchema]
+Rollouts = DataFrame[RolloutSchema]
+Scored = DataFrame[ScoredRolloutSchema]
+
+CACHE_VERSION = "1"  # bump when a cached task's code changes its outputs
+GPU = H100  # the accelerator GPU tasks ask for; one constant to change per cluster
+CPU_SMALL = Resources(cpu="1", mem="2Gi")
+CPU_MEDIUM = Resources(cpu="4", mem="16Gi")
+GPU_RETRIES = 2  # GPU tasks run on interruptible (spot) nodes
+DECK = "training"  # the deck with the training curves
+# Decks a task with `enable_deck` shows besides its own; the source-code and dependency
+# decks cost ~0.7 s per task, every round.
+DECK_FIELDS = (DeckField.TIMELINE, DeckField.INPUT, DeckField.OUTPUT)
+
+
+def gpu_resources(n_gpus: int) -> Resources:
+    """Requests for `n_gpus` GPUs with host CPU and memory in proportion."""
+    n = max(1, n_gpus)
+    return Resources(cpu=str(8 * n), mem=f"{64 * n}Gi", gpu=str(n))
+
+
+def workdir(name: str) -> str:
+    """A fresh directory of this task execution for outputs that Flyte uploads."""
+    path = Path(current_context().working_directory) / name
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
+
+
+def rank() -> int:
+    """Global rank under torchrun (0 outside it)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+# Failures a retry on a fresh pod can fix: lost connections, storage timeouts, rendezvous
+# and collective timeouts between ranks. Everything else (bad config, bad data, OOM) fails.
+TRANSIENT: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError, dist.DistNetworkError,
+                                              dist.DistStoreError)
+
+
+@contextmanager
+def retry_transient() -> Iterator[None]:
+    """Re-raise transient failures as `FlyteRecoverableException`, so Flyte retries the task."""
+    try:
+        yield
+    except TRANSIENT as e:
+        raise FlyteRecoverableException(f"transient failure, retrying: {type(e).__name__}: {e}") from e

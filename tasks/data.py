@@ -1,0 +1,52 @@
+"""Data and starting-policy tasks: fingerprint, prepare_dataset (cached), prepare_policy
+(cached), sample_prompts."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from flytekit import Cache, task
+from flytekit.types.directory import FlyteDirectory
+
+from containers.images import CPU_IMAGE
+from rlhf import pipeline as P
+from rlhf import stages
+from rlhf.config import DataConfig, ModelConfig, PPOConfig
+from rlhf.state import RoundState
+from tasks.base import CACHE_VERSION, CPU_MEDIUM, CPU_SMALL, Prompts, retry_transient, workdir
+
+Splits = NamedTuple("Splits", [("train", Prompts), ("val", Prompts), ("sft", Prompts)])
+Sampled = NamedTuple("Sampled", [("prompts", Prompts), ("state", RoundState)])
+
+
+@task(requests=CPU_SMALL, container_image=CPU_IMAGE, retries=2)
+def dataset_fingerprint(data: DataConfig) -> str:
+    """A digest of the dataset files (sizes, times, ETags): the cache key of `prepare_dataset`."""
+    with retry_transient():
+        return P.dataset_fingerprint(data)
+
+
+@task(cache=Cache(version=CACHE_VERSION), requests=CPU_MEDIUM, container_image=CPU_IMAGE, retries=2)
+def prepare_dataset(data: DataConfig, fingerprint: str) -> Splits:
+    """Train/val prompt tables (verl parquet, local or fsspec URI, or the synthetic task) and
+    the labeled SFT split (empty for user data). Cached on the data config and fingerprint."""
+    del fingerprint  # part of the cache key only
+    with retry_transient():
+        b = P.prepare_dataset(data)
+    return Splits(train=b.train, val=b.val, sft=b.sft)
+
+
+@task(cache=Cache(version=CACHE_VERSION), requests=CPU_MEDIUM, container_image=CPU_IMAGE, retries=2)
+def prepare_policy(model: ModelConfig, seed: int, sft: Prompts) -> FlyteDirectory:
+    """The starting and reference policy: `model.path` (a remote URI is passed by reference),
+    or the tiny default model built and SFT-warm-started on `sft`. Cached."""
+    if "://" in model.path and not model.path.startswith("file://"):
+        return FlyteDirectory(path=model.path)
+    return FlyteDirectory(path=P.prepare_base_model(model, seed, sft, workdir("policy")))
+
+
+@task(requests=CPU_SMALL, container_image=CPU_IMAGE)
+def sample_prompts(cfg: PPOConfig, train: Prompts, state: RoundState) -> Sampled:
+    """The round's `steps_per_round * train_batch_size` prompts; the sampler cursor moves in the state."""
+    prompts, new = stages.sample_prompts(train, state, cfg)
+    return Sampled(prompts=prompts, state=new)

@@ -1,0 +1,50 @@
+"""Validation and the early-stop decision, with the training deck."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from flytekit import Deck, task
+from flytekit.types.directory import FlyteDirectory
+
+from containers.images import CPU_IMAGE, GPU_IMAGE
+from rlhf import pipeline as P
+from rlhf import stages
+from rlhf.config import PPOConfig
+from rlhf.plots import metrics_html, training_html
+from rlhf.state import RoundState, decide as decide_stop
+from tasks.base import CPU_SMALL, DECK, DECK_FIELDS, GPU, GPU_RETRIES, Prompts, gpu_resources, retry_transient
+
+Evaluated = NamedTuple("Evaluated", [("state", RoundState), ("score", float)])
+Decided = NamedTuple("Decided", [("state", RoundState), ("stop", bool), ("reason", str)])
+
+
+@task(requests=gpu_resources(1), limits=gpu_resources(1), accelerator=GPU, interruptible=True,
+      retries=GPU_RETRIES, container_image=GPU_IMAGE, enable_deck=True,
+      deck_fields=DECK_FIELDS)
+def evaluate(cfg: PPOConfig, policy: FlyteDirectory, val: Prompts, state: RoundState, run_id: str) -> Evaluated:
+    """Greedy validation of `policy`; the score goes into the state (best, patience counter).
+    Its deck lists the validation metrics; `decide`'s deck draws the curves."""
+    with retry_transient():
+        new, metrics = P.evaluate_policy(cfg, policy.download(), val, state, P.tracking_sink(cfg, run_id))
+    Deck("validation", metrics_html(metrics, f"step {new.global_step}: val score {new.last_val:.4f} "
+                                             f"(best {new.best_val:.4f}, start {new.val_start:.4f})"))
+    return Evaluated(state=new, score=stages.val_score(metrics))
+
+
+@task(requests=gpu_resources(1), limits=gpu_resources(1), accelerator=GPU, interruptible=True,
+      retries=GPU_RETRIES, container_image=GPU_IMAGE)
+def score_policy(cfg: PPOConfig, policy: FlyteDirectory, val: Prompts) -> float:
+    """The val score of `policy` alone (no run state): for comparing two models on one val set."""
+    with retry_transient():
+        _, metrics = P.evaluate_policy(cfg, policy.download(), val, RoundState.initial(cfg))
+    return stages.val_score(metrics)
+
+
+@task(requests=CPU_SMALL, container_image=CPU_IMAGE, enable_deck=True,
+      deck_fields=DECK_FIELDS)
+def decide(cfg: PPOConfig, state: RoundState, steps: list[dict[str, float]]) -> Decided:
+    """The early-stop verdict after a round (KL budget, val patience, non-finite steps)."""
+    new, verdict = decide_stop(state, steps, cfg)
+    Deck(DECK, training_html(new, verdict.reason))
+    return Decided(state=new, stop=verdict.stop, reason=verdict.reason)

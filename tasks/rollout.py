@@ -1,0 +1,30 @@
+"""Generation and reward tasks: rollout (GPU, HF or vLLM engine) and score."""
+
+from __future__ import annotations
+
+from flytekit import task
+from flytekit.types.directory import FlyteDirectory
+
+from containers.images import CPU_IMAGE, GPU_IMAGE
+from rlhf import pipeline as P
+from rlhf.config import PPOConfig
+from rlhf.state import RoundState
+from tasks.base import CPU_MEDIUM, GPU, GPU_RETRIES, Prompts, Rollouts, Scored, gpu_resources, retry_transient
+
+
+@task(requests=gpu_resources(1), limits=gpu_resources(1), accelerator=GPU, shared_memory=True,
+      interruptible=True, retries=GPU_RETRIES, container_image=GPU_IMAGE)
+def rollout(cfg: PPOConfig, policy: FlyteDirectory, prompts: Prompts, state: RoundState) -> Rollouts:
+    """`rollout.n` responses per prompt from `policy`, sampled with the round's seed by the
+    `rollout.name` engine (vLLM: tensor parallel over `rollout.tensor_model_parallel_size` GPUs)."""
+    with retry_transient():
+        rollouts, _ = P.rollout_policy(cfg, policy.download(), prompts, state)
+    return rollouts
+
+
+@task(requests=CPU_MEDIUM, container_image=CPU_IMAGE, retries=2)
+def score(cfg: PPOConfig, rollouts: Rollouts) -> Scored:
+    """Each response's reward: the rule for its `data_source`, or the reward model at
+    `reward.model_path` (the workflow gives this task a GPU when one is set)."""
+    with retry_transient():
+        return P.score_rollouts(cfg, rollouts)

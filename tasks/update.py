@@ -1,0 +1,109 @@
+"""The PPO update under torchrun (flytekitplugins-kfpytorch `Elastic`), DeepSpeed inside.
+
+`ppo_update` runs `nproc_per_node` ranks in one pod; `ppo_update_multinode` is the same
+body as a PyTorchJob over several pods (Kubeflow training operator). The workflow picks
+one per run (`update_task`) and sets the torchrun shape from `trainer.nnodes` and
+`trainer.n_gpus_per_node` with `with_overrides(task_config=...)`. Every rank runs the task
+function; Flyte keeps rank 0's outputs.
+
+A pod resolves its task from the module, with the decorator's `Elastic`, so a node
+override alone would not reach the launcher inside the pod: `RunShapedElastic` tasks read
+the shape from their `cfg` input when they start, which keeps the launcher, the
+serialized PyTorchJob and local runs in agreement. With a single rank in all, the task
+runs in its own process, without the launcher.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional
+
+from flytekit import PythonFunctionTask, task
+from flytekit.extend import TaskPlugins
+from flytekit.types.directory import FlyteDirectory
+from flytekitplugins.kfpytorch import Elastic
+from flytekitplugins.kfpytorch.task import PytorchElasticFunctionTask
+
+from containers.images import GPU_IMAGE
+from rlhf import pipeline as P
+from rlhf.config import PPOConfig
+from rlhf.state import RoundState
+from tasks.base import GPU, GPU_RETRIES, Scored, gpu_resources, rank, retry_transient, workdir
+
+Updated = NamedTuple("Updated", [("checkpoint", FlyteDirectory), ("policy", FlyteDirectory),
+                                 ("state", RoundState), ("steps", list[dict[str, float]])])
+
+# Rendezvous waits for pods that start late (image pulls, node scale-up).
+RDZV = {"timeout": 900, "join_timeout": 900}
+
+
+@dataclass
+class RunShapedElastic(Elastic):
+    """`Elastic` whose node and per-node process counts follow the task's `cfg` input
+    (`trainer.nnodes`, `trainer.n_gpus_per_node`) when the task runs."""
+
+
+class RunShapedElasticTask(PytorchElasticFunctionTask):
+    def execute(self, **kwargs) -> Any:
+        self._task_config = elastic_for(kwargs["cfg"])
+        self.min_nodes, self.max_nodes = self.min_nodes_max_nodes(self._task_config)
+        if self.max_nodes == 1 and self._task_config.nproc_per_node == 1:
+            # One rank: the launcher would only add a process start (imports, ~10 s); the
+            # engine makes its own one-rank process group in this process instead.
+            return PythonFunctionTask.execute(self, **kwargs)
+        return super().execute(**kwargs)
+
+    @staticmethod
+    def min_nodes_max_nodes(config: Elastic) -> tuple[int, int]:
+        from torch.distributed import run
+
+        return run.parse_min_max_nnodes(str(config.nnodes))
+
+
+TaskPlugins.register_pythontask_plugin(RunShapedElastic, RunShapedElasticTask)
+
+
+def elastic_for(cfg: PPOConfig) -> RunShapedElastic:
+    """The torchrun shape of a run: `trainer.nnodes` pods x `trainer.n_gpus_per_node` ranks."""
+    return RunShapedElastic(nnodes=cfg.trainer.nnodes, nproc_per_node=cfg.trainer.n_gpus_per_node,
+                            rdzv_configs=RDZV)
+
+
+def _update(cfg: PPOConfig, base_model: FlyteDirectory, checkpoint: Optional[FlyteDirectory], scored: Scored,
+            state: RoundState, run_id: str) -> Updated:
+    sink = P.tracking_sink(cfg, run_id) if rank() == 0 else None
+    with retry_transient():
+        r = P.update_from_checkpoint(cfg, base_model.download(), checkpoint.download() if checkpoint else None,
+                                     scored, state, workdir("checkpoints"), sink=sink)
+    return Updated(checkpoint=FlyteDirectory(path=r.checkpoint), policy=FlyteDirectory(path=r.policy),
+                   state=r.state, steps=r.steps)
+
+
+@task(task_config=RunShapedElastic(nnodes=1, nproc_per_node=1, rdzv_configs=RDZV), requests=gpu_resources(1),
+      limits=gpu_resources(1), accelerator=GPU, shared_memory=True, interruptible=True, retries=GPU_RETRIES,
+      container_image=GPU_IMAGE)
+def ppo_update(cfg: PPOConfig, base_model: FlyteDirectory, checkpoint: Optional[FlyteDirectory], scored: Scored,
+               state: RoundState, run_id: str) -> Updated:
+    """`steps_per_round` PPO steps from the previous round's checkpoint (weights and DeepSpeed
+    optimizer state; the base policy in round 1); returns the new checkpoint, the updated
+    policy directory, the state and the per-step metrics."""
+    return _update(cfg, base_model, checkpoint, scored, state, run_id)
+
+
+@task(task_config=RunShapedElastic(nnodes=2, nproc_per_node=8, rdzv_configs=RDZV), requests=gpu_resources(8),
+      limits=gpu_resources(8), accelerator=GPU, shared_memory=True, interruptible=True, retries=GPU_RETRIES,
+      container_image=GPU_IMAGE)
+def ppo_update_multinode(cfg: PPOConfig, base_model: FlyteDirectory, checkpoint: Optional[FlyteDirectory],
+                         scored: Scored, state: RoundState, run_id: str) -> Updated:
+    """`ppo_update` as a multi-pod PyTorchJob. Rank 0 writes the checkpoint; under ZeRO >= 1
+    every rank also writes its optimizer shard there, so the pods need a shared filesystem
+    for the task's working directory (README, "Flyte")."""
+    return _update(cfg, base_model, checkpoint, scored, state, run_id)
+
+
+def update_task(cfg: PPOConfig):
+    """The update task for this run's node count. Its node count is set here as well, for the
+    PyTorchJob that the workflow serializes (the plugin reads it when the task is created)."""
+    t = ppo_update if cfg.trainer.nnodes == 1 else ppo_update_multinode
+    t.min_nodes, t.max_nodes = RunShapedElasticTask.min_nodes_max_nodes(elastic_for(cfg))
+    return t

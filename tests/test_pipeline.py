@@ -1,0 +1,154 @@
+"""The stateless stage runners (`rlhf.pipeline`), and the design promise "two drivers, one
+round": the in-process loop and the Flyte workflow give the same rounds on one config."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from rlhf import pipeline as P
+from rlhf.config import load_config
+from rlhf.state import RoundState
+from test_trainer import TINY
+
+# Adaptive KL with a low target and an entropy bonus: the policy, the critic and the KL
+# coefficient all move in every step, so any difference between the drivers shows.
+MOVING = ["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.05", "algorithm.kl_ctrl.target_kl=0.001",
+          "algorithm.kl_ctrl.horizon=50", "early_stop.enable=false", "actor.entropy_coeff=0.05", "actor.lr=5e-3"]
+
+
+@pytest.fixture(autouse=True)
+def _no_flyte_cache(monkeypatch):
+    monkeypatch.setenv("FLYTE_LOCAL_CACHE_ENABLED", "false")
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory) -> str:
+    """The tiny SFT-warm-started policy, built once and shared as `model.path`."""
+    cfg = load_config(None, TINY)
+    data = P.prepare_dataset(cfg.data)
+    return P.prepare_base_model(cfg.model, cfg.trainer.seed, data.sft, str(tmp_path_factory.mktemp("base") / "m"))
+
+
+def cfg_for(out: Path, base: str, *extra: str):
+    return load_config(None, TINY + MOVING + [f"trainer.output_dir={out}", f"model.path={base}", *extra])
+
+
+# -- rules shared by both drivers -----------------------------------------------------------
+
+
+def test_evaluation_schedule():
+    cfg = load_config(None, ["trainer.total_rounds=5", "trainer.test_freq=2"])
+    assert [r for r in range(1, 6) if P.should_evaluate(cfg, r)] == [2, 4, 5]
+    assert P.should_validate_first(cfg, RoundState.initial(cfg))
+    assert not P.should_validate_first(cfg, RoundState(round=1))
+    assert not P.should_validate_first(load_config(None, ["trainer.val_before_train=false"]), RoundState())
+
+
+def test_record_update_moves_round_step_and_kl():
+    s = P.record_update(RoundState(round=2, global_step=4), [{"actor/pg_loss": 1.0}, {"actor/pg_loss": 2.0}], 0.3)
+    assert (s.round, s.global_step, s.kl_coef) == (3, 6, 0.3)
+    assert [h["step"] for h in s.step_history] == [5.0, 6.0]
+
+
+def test_rollout_seed_differs_by_round_and_rank():
+    cfg = load_config(None, [])
+    seeds = {P.rollout_seed(cfg, r, k) for r in range(4) for k in range(4)}
+    assert len(seeds) == 16
+
+
+def test_metrics_table_merges_steps_and_validation():
+    state = RoundState(step_history=[{"step": 1.0, "actor/pg_loss": 0.5}, {"step": 2.0, "actor/pg_loss": 0.25}],
+                       val_history=[{"round": 0.0, "step": 0.0, "score": 0.1},
+                                    {"round": 2.0, "step": 2.0, "score": 0.4}])
+    table = P.metrics_table(state)
+    assert table["step"].tolist() == [0, 1, 2]
+    assert table["val/score"].tolist()[0] == 0.1 and math.isnan(table["val/score"][1])
+    assert table["val/score"][2] == 0.4 and table["actor/pg_loss"][2] == 0.25
+    empty = P.metrics_table(RoundState())
+    assert len(empty) == 0 and "val/score" in empty
+
+
+def test_dataset_fingerprint_follows_the_files(tmp_path):
+    from rlhf.config import DataConfig
+    from rlhf.data.arithmetic import make_arithmetic
+
+    assert P.dataset_fingerprint(DataConfig()) == ""
+    train, val = tmp_path / "train.parquet", tmp_path / "val.parquet"
+    make_arithmetic(8, seed=1).to_parquet(train)
+    make_arithmetic(4, seed=2).to_parquet(val)
+    data = DataConfig(train_files=str(train), val_files=str(val))
+    first = P.dataset_fingerprint(data)
+    assert first and P.dataset_fingerprint(data) == first
+    make_arithmetic(9, seed=1).to_parquet(train)
+    os.utime(train, (1, 1))
+    assert P.dataset_fingerprint(data) != first
+
+
+# -- one round through the stateless runners ------------------------------------------------
+
+
+def test_update_from_checkpoint_chains_rounds(base_model, tmp_path):
+    """Round 1 from the base policy, round 2 from round 1's checkpoint: new checkpoints,
+    state carried, optimizer state restored (the second update differs from a fresh one)."""
+    from safetensors.torch import load_file
+
+    cfg = cfg_for(tmp_path, base_model)
+    data = P.prepare_dataset(cfg.data)
+    state = RoundState.initial(cfg)
+    checkpoint = None
+    policy = base_model
+    for r in range(2):
+        from rlhf import stages
+
+        prompts, state = stages.sample_prompts(data.train, state, cfg)
+        rollouts, gen = P.rollout_policy(cfg, policy, prompts, state)
+        scored = P.score_rollouts(cfg, rollouts)
+        res = P.update_from_checkpoint(cfg, base_model, checkpoint, scored, state, str(tmp_path / f"u{r}"))
+        assert Path(res.checkpoint).name == f"round_00000{r + 1}"
+        assert res.state.round == r + 1 and res.state.global_step == r + 1
+        assert len(res.steps) == 1 and "perf/throughput" in res.steps[0] and gen["timing_s/gen"] > 0
+        assert res.state.kl_coef != state.kl_coef, "the adaptive KL coefficient did not move"
+        state, checkpoint, policy = res.state, res.checkpoint, res.policy
+    before, after = load_file(f"{base_model}/model.safetensors"), load_file(f"{policy}/model.safetensors")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    evaluated, metrics = P.evaluate_policy(cfg, policy, data.val, state)
+    assert evaluated.val_history[-1]["step"] == 2.0 and "val/accuracy" in metrics
+
+
+# -- two drivers, one round -----------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_flyte_workflow_and_in_process_loop_give_the_same_rounds(base_model, tmp_path):
+    from safetensors.torch import load_file
+
+    from rlhf.checkpoint import latest_checkpoint
+    from rlhf.train import train
+    from workflows.ppo import ppo_pipeline
+
+    extra = ["trainer.total_rounds=2", "trainer.test_freq=2"]
+    summary = train(cfg_for(tmp_path / "loop", base_model, *extra))
+    flyte = ppo_pipeline(cfg=cfg_for(tmp_path / "flyte", base_model, *extra))
+
+    s = flyte.state
+    assert s.global_step == summary["global_steps"] == 2
+    assert s.round == summary["rounds"] == 2
+    assert [v["step"] for v in s.val_history] == [v["step"] for v in summary["val_history"]] == [0.0, 2.0]
+    assert [v["score"] for v in s.val_history] == pytest.approx([v["score"] for v in summary["val_history"]])
+    assert s.kl_coef == pytest.approx(summary["kl_coef"], rel=1e-6)
+    assert s.kl_coef != pytest.approx(0.05), "the KL coefficient never moved; the comparison would be weak"
+    loop_state = RoundState.from_json((latest_checkpoint(tmp_path / "loop") / "state.json").read_text())
+    loop_steps, flyte_steps = pd.DataFrame(loop_state.step_history), pd.DataFrame(s.step_history)
+    pd.testing.assert_frame_equal(flyte_steps, loop_steps, check_like=True, rtol=1e-4, atol=1e-6)
+    assert flyte.metrics["step"].tolist() == [0, 1, 2]
+    a = load_file(str(latest_checkpoint(tmp_path / "loop") / "actor" / "model.safetensors"))
+    b = load_file(os.path.join(flyte.model.download(), "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5, msg=k)

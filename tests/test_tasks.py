@@ -1,0 +1,240 @@
+"""Flyte task adapters: typed values across the boundary, the torchrun shape, error mapping,
+the MLflow registry, the training deck, and the offline package of every workflow."""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from rlhf.config import load_config
+from rlhf.state import RoundState
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- typed values ---------------------------------------------------------------------------
+
+
+def _round_trip(value, tp):
+    from flytekit import FlyteContextManager
+    from flytekit.core.type_engine import TypeEngine
+
+    ctx = FlyteContextManager.current_context()
+    lit = TypeEngine.to_literal(ctx, value, tp, TypeEngine.to_literal_type(tp))
+    return TypeEngine.to_python_value(ctx, lit, tp)
+
+
+def test_config_and_state_cross_task_boundaries_unchanged():
+    """The frozen nested config (lists, Optional) and the state (list of dicts) survive Flyte's
+    literal encoding exactly."""
+    from rlhf.config import PPOConfig
+
+    cfg = load_config(None, ["actor.clip_ratio_low=0.1", "trainer.logger=[console,mlflow]",
+                             "trainer.profile_steps=[2,5]", "data.synthetic.operators=+-"])
+    back = _round_trip(cfg, PPOConfig)
+    assert back == cfg and back.actor.clip_ratio_high is None and back.trainer.logger == ["console", "mlflow"]
+    state = RoundState(round=2, kl_coef=0.01, step_history=[{"step": 1.0, "actor/pg_loss": -0.5}],
+                       val_history=[{"round": 0.0, "step": 0.0, "score": 0.25}], stop_reason="x")
+    assert _round_trip(state, RoundState) == state
+
+
+def test_prompt_tables_are_validated_at_the_boundary():
+    import pandera.errors
+
+    from rlhf.data.arithmetic import make_arithmetic
+    from tasks.base import Prompts
+
+    good = make_arithmetic(4, seed=0)
+    assert _round_trip(good, Prompts).equals(good)
+    bad = good.assign(reward_style=["rule", "oracle", "rule", "rule"])
+    with pytest.raises(pandera.errors.SchemaErrors, match="reward_style"):
+        _round_trip(bad, Prompts)
+
+
+# -- torchrun shape ---------------------------------------------------------------------------
+
+
+def _settings():
+    from flytekit.configuration import ImageConfig, SerializationSettings
+
+    return SerializationSettings(image_config=ImageConfig.auto_default_image())
+
+
+def test_update_task_follows_the_run_shape():
+    from tasks.update import RunShapedElastic, elastic_for, ppo_update, ppo_update_multinode, update_task
+
+    one = load_config(None, ["trainer.n_gpus_per_node=4"])
+    assert update_task(one) is ppo_update
+    assert elastic_for(one) == RunShapedElastic(nnodes=1, nproc_per_node=4, rdzv_configs=elastic_for(one).rdzv_configs)
+    many = load_config(None, ["trainer.nnodes=4", "trainer.n_gpus_per_node=8"])
+    t = update_task(many)
+    assert t is ppo_update_multinode
+    t._task_config = elastic_for(many)  # what the workflow's with_overrides(task_config=...) sets
+    custom = t.get_custom(_settings())
+    assert custom["elasticConfig"]["minReplicas"] == 4 and custom["elasticConfig"]["maxReplicas"] == 4
+    assert custom["elasticConfig"]["nprocPerNode"] == 8 and custom["workerReplicas"]["replicas"] == 4
+
+
+def test_transient_failures_become_recoverable():
+    from flytekit.exceptions.user import FlyteRecoverableException
+
+    from tasks.base import retry_transient
+
+    with pytest.raises(FlyteRecoverableException, match="ConnectionResetError"):
+        with retry_transient():
+            raise ConnectionResetError("peer reset")
+    with pytest.raises(ValueError):
+        with retry_transient():
+            raise ValueError("a config error is not retried")
+
+
+# -- MLflow registry: champion and challenger -------------------------------------------------
+
+
+def _fake_policy(path: Path, tag: str) -> str:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text('{"tag": "%s"}' % tag)
+    return str(path)
+
+
+def test_champion_alias_moves_only_to_a_better_score(tmp_path):
+    from rlhf import model_registry as R
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    assert R.champion(uri, "policy") is None
+    v1 = R.register(uri, "policy", _fake_policy(tmp_path / "a", "a"), 0.5)
+    assert R.decide_promotion(uri, "policy", v1, None)[0]
+    v2 = R.register(uri, "policy", _fake_policy(tmp_path / "b", "b"), 0.5)
+    promoted, reason = R.decide_promotion(uri, "policy", v2, R.champion(uri, "policy").val_score)
+    assert not promoted and "does not beat" in reason
+    assert R.champion(uri, "policy").version == v1.version
+    v3 = R.register(uri, "policy", _fake_policy(tmp_path / "c", "c"), 0.75)
+    assert R.decide_promotion(uri, "policy", v3, 0.5) == (True, "challenger val score 0.7500 beats champion 0.5000")
+    champ = R.champion(uri, "policy")
+    assert (champ.version, champ.val_score) == (v3.version, 0.75)
+    local = R.download(uri, champ, str(tmp_path / "dl"))
+    assert '"c"' in (Path(local) / "config.json").read_text()
+    assert R.version(uri, "policy", v2.version).val_score == 0.5
+    from mlflow.tracking import MlflowClient
+
+    tags = MlflowClient(uri).get_model_version("policy", v2.version).tags
+    assert tags[R.DECISION_TAG] == "rejected" and "does not beat" in tags[R.REASON_TAG]
+
+
+def test_promotion_rule():
+    from rlhf.model_registry import promotion_decision
+
+    assert promotion_decision(0.6, 0.5)[0] and not promotion_decision(0.5, 0.5)[0]
+    assert not promotion_decision(0.55, 0.5, min_delta=0.1)[0]
+    assert not promotion_decision(math.nan, None)[0] and promotion_decision(0.0, None)[0]
+
+
+# -- console deck -----------------------------------------------------------------------------
+
+
+def test_training_deck_renders_every_panel_and_the_stop_reason():
+    from PIL import Image
+
+    from rlhf.plots import PANELS, training_figure, training_html
+
+    hist = [{"step": float(i), "critic/score/mean": 0.1 * i, "actor/current_kl": 0.01 * i,
+             "actor/reward_kl_penalty_coeff": 0.001, "actor/pg_loss": -0.1, "critic/vf_loss": 0.2,
+             "actor/entropy": 1.0 - 0.1 * i, "actor/pg_clipfrac": 0.05, "response_length/mean": 7.0,
+             "actor/grad_norm": 0.3} for i in range(1, 5)]
+    state = RoundState(round=4, global_step=4, step_history=hist, best_val=0.5, val_start=0.25, last_val=0.5,
+                       val_history=[{"round": 0.0, "step": 0.0, "score": 0.25},
+                                    {"round": 4.0, "step": 4.0, "score": 0.5}])
+    fig = training_figure(state, "KL above the ceiling")
+    drawn = [ax for ax in fig.axes if ax.lines and len(ax.lines[0].get_xdata()) > 0]
+    assert len(drawn) >= 1 + len(PANELS)  # val score + every panel (+ the KL coefficient's twin axis)
+    html = training_html(state, "KL above the ceiling <0.2>")
+    assert "KL above the ceiling &lt;0.2&gt;" in html and 'class="training-curves"' in html
+    png = base64.b64decode(html.split("base64,")[1].split('"')[0])
+    img = Image.open(io.BytesIO(png))
+    assert img.size[0] > 800 and sum(1 for n in img.convert("L").histogram() if n) > 10  # drawn, not blank
+
+
+# -- the offline package ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory) -> dict[str, bytes]:
+    out = tmp_path_factory.mktemp("pkg") / "flyte-package.tgz"
+    proc = subprocess.run([sys.executable, "-m", "flytekit.clis.sdk_in_container.pyflyte", "--pkgs", "workflows",
+                           "package", "--image", "ghcr.io/example/flyte-rlhf:test", "-o", str(out), "--force"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    with tarfile.open(out) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+
+
+def _entity(package: dict[str, bytes], suffix: str, cls):
+    (name,) = [n for n in package if n.endswith(suffix)]
+    msg = cls()
+    msg.ParseFromString(package[name])
+    return msg
+
+
+def _task(package, name):
+    from flyteidl.admin import task_pb2
+
+    return _entity(package, f"_{name}_1.pb", task_pb2.TaskSpec).template
+
+
+def _resources(t) -> dict[str, str]:
+    from flyteidl.core import tasks_pb2
+
+    return {tasks_pb2.Resources.ResourceName.Name(r.name): r.value for r in t.container.resources.requests}
+
+
+def test_package_holds_the_schedule_and_concurrency(package):
+    from flyteidl.admin import launch_plan_pb2
+
+    lp = _entity(package, "ppo_retrain_nightly_3.pb", launch_plan_pb2.LaunchPlan)
+    sched = lp.spec.entity_metadata.schedule
+    assert sched.cron_schedule.schedule == "0 3 * * *" and sched.kickoff_time_input_arg == "run_date"
+    assert lp.spec.concurrency_policy.max == 1
+    assert set(lp.spec.default_inputs.parameters) >= {"cfg", "train_files", "val_files", "model_name", "run_date"}
+    assert any(n.endswith("workflows.ppo.ppo_pipeline_2.pb") for n in package)
+
+
+@pytest.mark.parametrize("name", ["tasks.rollout.rollout", "tasks.update.ppo_update", "tasks.evaluate.evaluate"])
+def test_package_gpu_tasks(package, name):
+    t = _task(package, name)
+    assert _resources(t)["GPU"] == "1" and t.extended_resources.gpu_accelerator.device == "nvidia-h100"
+    assert t.metadata.interruptible and t.metadata.retries.retries >= 1
+    assert "/flyte-rlhf-gpu:" in t.container.image
+
+
+def test_package_update_runs_under_torch_elastic(package):
+    t = _task(package, "tasks.update.ppo_update")
+    assert t.type == "python-task"  # one node: torchrun inside a plain pod
+    assert t.extended_resources.shared_memory.mount_path == "/dev/shm"
+    assert list(t.container.args)[-4:] == ["task-module", "tasks.update", "task-name", "ppo_update"]
+    multi = _task(package, "tasks.update.ppo_update_multinode")
+    assert multi.type == "pytorch"
+    elastic = multi.custom.fields["elasticConfig"].struct_value.fields
+    assert elastic["rdzvBackend"].string_value == "c10d" and elastic["nprocPerNode"].number_value == 8
+
+
+@pytest.mark.parametrize("name", ["tasks.data.sample_prompts", "tasks.rollout.score", "tasks.evaluate.decide",
+                                  "tasks.data.prepare_dataset", "tasks.registry.register_model"])
+def test_package_cpu_tasks_ask_for_cpus_only(package, name):
+    t = _task(package, name)
+    assert "GPU" not in _resources(t) and "CPU" in _resources(t)
+    assert not t.extended_resources.HasField("gpu_accelerator")
+    assert "/flyte-rlhf-cpu:" in t.container.image
+
+
+def test_package_caches_the_dataset(package):
+    t = _task(package, "tasks.data.prepare_dataset")
+    assert t.metadata.discoverable and t.metadata.discovery_version == "1"
+    assert not _task(package, "tasks.data.sample_prompts").metadata.discoverable

@@ -67,3 +67,21 @@ def _stop(proc: subprocess.Popen) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny-model tests run on one torch thread: faster here and reproducible."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from rlhf.models.tokenizer import build_char_tokenizer
+
+    return build_char_tokenizer()

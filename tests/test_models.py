@@ -14,26 +14,11 @@ from rlhf.models.load import (ModelLoadError, ValueModel, frozen_reference, load
 from rlhf.models.tiny import build_tiny_model, count_parameters
 from rlhf.models.tokenizer import build_char_tokenizer
 
-SMALL = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                        num_key_value_heads=2, max_position_embeddings=64)
+from tests.tiny import SMALL, small_model
 PRINTABLE = "".join(chr(c) for c in range(32, 127)) + "\n"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_char_tokenizer()
-
-
-def small_model(tok, seed=0, cfg=SMALL):
-    return build_tiny_model(cfg, len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, seed=seed)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @settings(max_examples=200, deadline=None)

@@ -11,26 +11,11 @@ from rlhf.rollout import ENGINES, make_engine
 from rlhf.rollout.base import RolloutEngine, SamplingParams
 from rlhf.rollout.hf import HFRolloutEngine, filter_logits, plan_batches
 
-SMALL = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                        num_key_value_heads=2, max_position_embeddings=64)
+from tests.tiny import SMALL, small_model
 PROMPTS = ["1+2=", "37+45=", "9+9=", "12+3=", "5+60=", "1+1=", "88+7="]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_char_tokenizer()
-
-
-def small_model(tok, seed=0):
-    return build_tiny_model(SMALL, len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, seed=seed)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +153,7 @@ def test_make_engine_builds_hf_from_a_dir_and_names_the_known_engines(model, tok
     params = SamplingParams(temperature=0.0, max_tokens=8)
     assert engine.generate(ids_of(tok), params).response_ids == \
         HFRolloutEngine(model, tok).generate(ids_of(tok), params).response_ids
-    assert ENGINES.names() == ["hf", "vllm"]
+    assert ENGINES.names() == ["hf", "hf_fast", "vllm"]
     with pytest.raises(KeyError, match="known: hf, vllm"):
         make_engine("sglang", str(tmp_path / "policy"), tok, RolloutConfig())
 

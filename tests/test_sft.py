@@ -12,25 +12,10 @@ from rlhf.models.sft import (IGNORE, build_sft_example, collate, cpu_threads, lr
 from rlhf.models.tiny import build_tiny_model
 from rlhf.models.tokenizer import build_char_tokenizer
 
-SMALL = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                        num_key_value_heads=2, max_position_embeddings=64)
+from tests.tiny import SMALL, small_model
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_char_tokenizer()
-
-
-def small_model(tok, seed=0):
-    return build_tiny_model(SMALL, len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, seed=seed)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def pairs(n=24):

@@ -67,16 +67,20 @@ def figure_png(fig) -> bytes:
     return buf.getvalue()
 
 
+def _score(x: float) -> str:
+    return f"{x:.4f}" if x >= 0 else "n/a"  # -1 marks "not measured yet" in RoundState
+
+
 def training_html(state: RoundState, stop_reason: str = "") -> str:
     """The curves as an embedded PNG, with the stop reason and the latest values as text."""
     png = base64.b64encode(figure_png(training_figure(state, stop_reason))).decode()
     last = state.step_history[-1] if state.step_history else {}
     rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{v:.5g}</td></tr>" for k, v in sorted(last.items()))
-    reason = html.escape(stop_reason or "(still running)")
+    reason = html.escape(stop_reason or "(none: still running, or ran all rounds)")
     return (f'<div class="rlhf-training">'
             f'<p class="stop-reason"><b>stop reason:</b> {reason}</p>'
-            f'<p><b>best val score:</b> {state.best_val:.4f} (start {state.val_start:.4f}, '
-            f'last {state.last_val:.4f}); <b>kl_coef:</b> {state.kl_coef:.5g}</p>'
+            f'<p><b>best val score:</b> {_score(state.best_val)} (start {_score(state.val_start)}, '
+            f'last {_score(state.last_val)}); <b>kl_coef:</b> {state.kl_coef:.5g}</p>'
             f'<img class="training-curves" alt="training curves" src="data:image/png;base64,{png}"/>'
             f'<table class="last-step"><tr><th>metric (last step)</th><th>value</th></tr>{rows}</table></div>')
 

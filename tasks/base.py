@@ -31,9 +31,9 @@ CPU_SMALL = Resources(cpu="1", mem="2Gi")
 CPU_MEDIUM = Resources(cpu="4", mem="16Gi")
 GPU_RETRIES = 2  # GPU tasks run on interruptible (spot) nodes
 DECK = "training"  # the deck with the training curves
-# Decks a task with `enable_deck` shows besides its own; the source-code and dependency
-# decks cost ~0.7 s per task, every round.
-DECK_FIELDS = (DeckField.TIMELINE, DeckField.INPUT, DeckField.OUTPUT)
+# Decks a task with `enable_deck` shows after its own (the first one opens by default);
+# the source-code and dependency decks would cost ~0.7 s per task, every round.
+DECK_FIELDS = (DeckField.INPUT, DeckField.OUTPUT)
 
 
 def gpu_resources(n_gpus: int) -> Resources:

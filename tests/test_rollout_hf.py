@@ -154,7 +154,7 @@ def test_make_engine_builds_hf_from_a_dir_and_names_the_known_engines(model, tok
     assert engine.generate(ids_of(tok), params).response_ids == \
         HFRolloutEngine(model, tok).generate(ids_of(tok), params).response_ids
     assert ENGINES.names() == ["hf", "hf_fast", "vllm"]
-    with pytest.raises(KeyError, match="known: hf, vllm"):
+    with pytest.raises(KeyError, match="known: hf, hf_fast, vllm"):
         make_engine("sglang", str(tmp_path / "policy"), tok, RolloutConfig())
 
 

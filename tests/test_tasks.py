@@ -238,3 +238,59 @@ def test_package_caches_the_dataset(package):
     t = _task(package, "tasks.data.prepare_dataset")
     assert t.metadata.discoverable and t.metadata.discovery_version == "1"
     assert not _task(package, "tasks.data.sample_prompts").metadata.discoverable
+
+
+def _chromium() -> str | None:
+    import shutil
+
+    return next((p for p in map(shutil.which, ("chromium-headless-shell", "chromium", "chromium-browser")) if p), None)
+
+
+@pytest.mark.skipif(_chromium() is None, reason="needs Debian's chromium (or chromium-headless-shell)")
+def test_decide_deck_renders_in_headless_chromium(tmp_path):
+    """The deck file Flyte writes for `decide`, opened in a real browser: the training tab is
+    the one shown, its curves image is present and drawn, and the stop reason is on it."""
+    import logging
+
+    from flytekit.loggers import logger
+    from PIL import Image
+
+    from tasks.evaluate import decide
+
+    decks: list[str] = []
+
+    class DeckPaths(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            msg = record.getMessage()
+            if "flyte deck html to file://" in msg:
+                decks.append(msg.split("file://", 1)[1].strip())
+
+    handler, level = DeckPaths(level=logging.INFO), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        hist = [{"step": float(i), "critic/score/mean": 0.1 * i, "actor/current_kl": 0.02 * i,
+                 "actor/reward_kl_penalty_coeff": 0.001, "actor/pg_loss": -0.1, "critic/vf_loss": 0.2 / i,
+                 "actor/entropy": 1.0 - 0.1 * i, "actor/pg_clipfrac": 0.05, "response_length/mean": 7.0,
+                 "actor/grad_norm": 0.3} for i in range(1, 6)]
+        state = RoundState(round=5, global_step=5, step_history=hist,
+                           val_history=[{"round": 0.0, "step": 0.0, "score": 0.25}])
+        out = decide(cfg=load_config(None, ["early_stop.kl_ceiling=0.05"]), state=state, steps=hist[-1:])
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert out.stop and decks, "decide wrote no deck"
+    url = f"file://{decks[-1]}"
+    browser = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
+    dom = subprocess.run(browser + ["--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
+    assert 'class="training-curves"' in dom and "above the ceiling early_stop.kl_ceiling=0.05" in dom
+    png_b64 = dom.split('class="training-curves"')[1].split("base64,")[1].split('"')[0]
+    assert len(png_b64) > 10_000, "the curves image is empty"
+    shot = tmp_path / "decide_deck.png"
+    subprocess.run(browser + ["--window-size=1400,1100", f"--screenshot={shot}", url], capture_output=True,
+                   timeout=120, check=True)
+    img = Image.open(shot).convert("L")
+    top = img.crop((0, 0, img.width, 60))  # the tab bar: "training" must be the open tab
+    plot = img.crop((0, 150, img.width, 700))  # where the curves are drawn
+    assert sum(1 for n in plot.histogram() if n) > 20 and len(set(top.histogram())) > 2
+    print(f"deck screenshot: {shot}")

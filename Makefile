@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 # DeepSpeed JIT-builds one CPU communication op on first use; keep it between runs.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup setup-vllm run test test-fast sft clean
+.PHONY: setup setup-vllm run run-local test test-fast sft clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -30,8 +30,13 @@ setup: $(VENV)/.installed
 
 setup-vllm: $(VENV)/.installed-vllm
 
-## The main job: PPO on the embedded default (synthetic arithmetic, tiny model built in code).
+## The main job: the Flyte PPO pipeline on the embedded default (synthetic arithmetic, tiny
+## model built in code), executed locally; ARGS go to pyflyte (e.g. ARGS="--cfg my.yaml").
 run: setup
+	$(BIN)/pyflyte run workflows/ppo.py ppo_pipeline $(ARGS)
+
+## The same rounds in one process, without Flyte; ARGS are key=value overrides.
+run-local: setup
 	$(BIN)/python -m rlhf.train $(ARGS)
 
 ## Install what the tests need, then run them.

@@ -246,7 +246,6 @@ def _chromium() -> str | None:
     return next((p for p in map(shutil.which, ("chromium-headless-shell", "chromium", "chromium-browser")) if p), None)
 
 
-@pytest.mark.skipif(_chromium() is None, reason="needs Debian's chromium (or chromium-headless-shell)")
 def test_decide_deck_renders_in_headless_chromium(tmp_path):
     """The deck file Flyte writes for `decide`, opened in a real browser: the training tab is
     the one shown, its curves image is present and drawn, and the stop reason is on it."""
@@ -280,6 +279,7 @@ def test_decide_deck_renders_in_headless_chromium(tmp_path):
         logger.removeHandler(handler)
         logger.setLevel(level)
     assert out.stop and decks, "decide wrote no deck"
+    assert _chromium(), "needs Debian's chromium-headless-shell (or chromium); .ci/run installs it"
     url = f"file://{decks[-1]}"
     browser = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
     dom = subprocess.run(browser + ["--dump-dom", url], capture_output=True, text=True, timeout=120).stdout

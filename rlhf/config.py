@@ -38,23 +38,23 @@ class SyntheticDataConfig:
     digits: int = 2  # digits per operand
     operators: str = "+"  # operators drawn from, e.g. "+-*"
     n_steps: int = 1  # binary operations per problem (2 => "a+b+c")
-    seed: int = 1234
+    seed: int = 1234  # seed of the generated problems
 
 
 @dataclass(frozen=True)
 class DataConfig:
     train_files: str = ""  # parquet file/dir/URI (verl layout); "" => synthetic arithmetic
-    val_files: str = ""
+    val_files: str = ""  # validation parquet (same layout); required with train_files
     prompt_format: str = "text"  # "text" | "chat" (chat lists rendered with the template)
     train_batch_size: int = 64  # prompts per PPO step
     val_batch_size: int = 0  # 0 => whole val set in one pass
-    max_prompt_length: int = 32
-    max_response_length: int = 16
-    filter_overlong_prompts: bool = True
+    max_prompt_length: int = 32  # prompt tokens; longer prompts are filtered, truncated or refused
+    max_response_length: int = 16  # new tokens per response
+    filter_overlong_prompts: bool = True  # drop prompts longer than max_prompt_length before sampling
     truncation: str = "error"  # "error" | "left" | "right"
-    shuffle: bool = True
+    shuffle: bool = True  # seeded global shuffle per epoch
     drop_invalid: bool = False  # drop (and count) invalid rows instead of raising
-    use_sequence_packing: bool = False
+    use_sequence_packing: bool = False  # pack sequences into rows without padding in the update
     base_dir: str = ""  # if set, dataset paths may not escape it
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
 
@@ -64,11 +64,11 @@ class TinyModelConfig:
     """The default policy: a small Llama built in code with a character tokenizer."""
 
     hidden_size: int = 128  # ~0.87M parameters with the 100-token char vocab
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 4
-    intermediate_size: int = 384
-    max_position_embeddings: int = 128
+    num_hidden_layers: int = 4  # decoder layers
+    num_attention_heads: int = 4  # attention heads (head size >= 32 for vLLM's CPU kernels)
+    num_key_value_heads: int = 4  # key/value heads (GQA when fewer than attention heads)
+    intermediate_size: int = 384  # MLP width
+    max_position_embeddings: int = 128  # longest sequence
     tie_word_embeddings: bool = True  # share the input embedding with the output head
 
 
@@ -76,17 +76,17 @@ class TinyModelConfig:
 class SFTConfig:
     """Supervised warm-start on the labeled set (loss on answer tokens only)."""
 
-    enable: bool = True
+    enable: bool = True  # run the warm-start (off: PPO starts from the random tiny model)
     max_seconds: float = 600.0  # wall-clock safety cap; steps and the accuracy probe normally decide
-    epochs: int = 1000
+    epochs: int = 1000  # passes over the labeled set (a cap)
     max_steps: int = 1000  # optimizer steps (a cap); 0 => epochs decide; the first stop reached ends the run
-    batch_size: int = 64
-    lr: float = 3e-3
+    batch_size: int = 64  # examples per SFT step
+    lr: float = 3e-3  # AdamW learning rate
     lr_schedule: str = "constant"  # "constant" | "cosine" (to min_lr_ratio * lr), after warmup
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
+    min_lr_ratio: float = 0.1  # cosine schedule floor as a fraction of lr
+    warmup_steps: int = 20  # linear warmup steps
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # max gradient norm
     log_every: int = 50  # print a progress line every this many steps
     num_threads: int = 1  # torch CPU threads during SFT (results depend on it); 0 => torch's default
     stop_at_accuracy: float = 0.4  # > 0: stop once greedy accuracy on the probe reaches this (room for RL)
@@ -98,56 +98,56 @@ class SFTConfig:
 class ModelConfig:
     path: str = ""  # local HF causal-LM dir or URI; "" => tiny model built in code
     critic_path: str = ""  # "" => critic backbone initialised from the actor
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # allow model code from the checkpoint directory
     allow_network: bool = False  # hub names are fetched only when this is true
     dtype: str = "float32"  # "float32" | "bfloat16"
-    enable_gradient_checkpointing: bool = False
+    enable_gradient_checkpointing: bool = False  # recompute activations in backward (less memory)
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
 
 
 @dataclass(frozen=True)
 class ActorConfig:
-    lr: float = 2e-4
-    weight_decay: float = 0.0
-    ppo_epochs: int = 2
+    lr: float = 2e-4  # actor learning rate (AdamW)
+    weight_decay: float = 0.0  # actor AdamW weight decay
+    ppo_epochs: int = 2  # passes over each step's batch
     ppo_mini_batch_size: int = 16  # in prompts (times rollout.n responses), verl semantics
     ppo_micro_batch_size_per_gpu: int = 64  # in responses
-    use_dynamic_bsz: bool = False
-    ppo_max_token_len_per_gpu: int = 16384
-    clip_ratio: float = 0.2
+    use_dynamic_bsz: bool = False  # micro-batches by token budget instead of a fixed row count
+    ppo_max_token_len_per_gpu: int = 16384  # token budget per micro-batch with use_dynamic_bsz
+    clip_ratio: float = 0.2  # PPO ratio clip epsilon
     clip_ratio_low: Optional[float] = None  # None => clip_ratio
     clip_ratio_high: Optional[float] = None  # None => clip_ratio
     clip_ratio_c: float = 3.0  # dual-clip lower bound for negative advantages
-    entropy_coeff: float = 0.0
-    grad_clip: float = 1.0
-    loss_agg_mode: str = "token-mean"
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
+    entropy_coeff: float = 0.0  # entropy bonus weight
+    grad_clip: float = 1.0  # max gradient norm
+    loss_agg_mode: str = "token-mean"  # token-mean / seq-mean-token-sum / seq-mean-token-mean / seq-mean-token-sum-norm
+    use_kl_loss: bool = False  # KL to the reference as a loss term (GRPO style)
+    kl_loss_coef: float = 0.001  # weight of the KL loss term
+    kl_loss_type: str = "low_var_kl"  # KL estimator for the loss term
 
 
 @dataclass(frozen=True)
 class CriticConfig:
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    ppo_epochs: int = 2
-    cliprange_value: float = 0.5
-    grad_clip: float = 1.0
-    loss_agg_mode: str = "token-mean"
-    ppo_micro_batch_size_per_gpu: int = 64
+    lr: float = 1e-3  # critic learning rate (AdamW)
+    weight_decay: float = 0.0  # critic AdamW weight decay
+    ppo_epochs: int = 2  # passes over each step's batch
+    cliprange_value: float = 0.5  # value clipping range around the old values
+    grad_clip: float = 1.0  # max gradient norm
+    loss_agg_mode: str = "token-mean"  # aggregation of the value loss
+    ppo_micro_batch_size_per_gpu: int = 64  # responses per critic forward/backward
 
 
 @dataclass(frozen=True)
 class RolloutConfig:
     name: str = "hf"  # "hf" | "hf_fast" (static cache + CUDA graphs) | "vllm"
     n: int = 4  # responses per prompt
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = 1.0  # sampling temperature (log-probs use the same)
+    top_p: float = 1.0  # nucleus sampling
     top_k: int = -1  # -1 => off
-    tensor_model_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.5
-    max_num_batched_tokens: int = 8192
+    tensor_model_parallel_size: int = 1  # vLLM tensor parallel size
+    gpu_memory_utilization: float = 0.5  # vLLM share of GPU memory
+    max_num_batched_tokens: int = 8192  # vLLM scheduler token budget
     generate_batch_size: int = 256  # sequences per HF generate call
     val_temperature: float = 0.0  # 0 => greedy validation
 
@@ -155,18 +155,18 @@ class RolloutConfig:
 @dataclass(frozen=True)
 class KLCtrlConfig:
     type: str = "fixed"  # "fixed" | "adaptive"
-    kl_coef: float = 0.001
-    target_kl: float = 0.1
-    horizon: int = 10000
+    kl_coef: float = 0.001  # KL coefficient (initial value for adaptive)
+    target_kl: float = 0.1  # adaptive target; also the early-stop KL budget
+    horizon: int = 10000  # adaptive controller horizon
 
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
     adv_estimator: str = "gae"  # "gae" | "grpo"
-    gamma: float = 1.0
-    lam: float = 1.0
-    norm_adv_by_std_in_grpo: bool = True
-    use_kl_in_reward: bool = True
+    gamma: float = 1.0  # discount
+    lam: float = 1.0  # GAE lambda
+    norm_adv_by_std_in_grpo: bool = True  # divide GRPO advantages by the group std
+    use_kl_in_reward: bool = True  # subtract kl_coef * KL from the token rewards
     kl_penalty: str = "kl"  # "kl"/"k1" | "abs" | "mse"/"k2" | "low_var_kl"/"k3"
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
 
@@ -174,47 +174,47 @@ class AlgorithmConfig:
 @dataclass(frozen=True)
 class RewardConfig:
     gsm8k_method: str = "strict"  # "strict" | "flexible"
-    format_score: float = 0.0
-    score: float = 1.0
+    format_score: float = 0.0  # score for a well-formed wrong answer
+    score: float = 1.0  # score for a correct answer
     model_path: str = ""  # reward model dir for rows with reward_style == "model"
-    model_batch_size: int = 32
+    model_batch_size: int = 32  # reward-model batch size
 
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    total_rounds: int = 30
-    steps_per_round: int = 1
+    total_rounds: int = 30  # rounds to run (fewer on early stop)
+    steps_per_round: int = 1  # PPO steps per rollout buffer (1 => on-policy)
     test_freq: int = 1  # evaluate every k rounds
-    val_before_train: bool = True
-    logger: list[str] = field(default_factory=lambda: ["console"])
-    project_name: str = "rlhf-ppo"
-    experiment_name: str = "default"
+    val_before_train: bool = True  # evaluate the starting policy
+    logger: list[str] = field(default_factory=lambda: ["console"])  # sinks: console, mlflow, wandb, none
+    project_name: str = "rlhf-ppo"  # MLflow experiment
+    experiment_name: str = "default"  # MLflow run name
     mlflow_tracking_uri: str = ""  # "" => $MLFLOW_TRACKING_URI or a local SQLite store
-    output_dir: str = "outputs"
+    output_dir: str = "outputs"  # checkpoints, summary and local stores
     resume: str = "auto"  # "auto" | "disable"
-    seed: int = 0
-    n_gpus_per_node: int = 1
-    nnodes: int = 1
+    seed: int = 0  # seed of sampling, init and SFT
+    n_gpus_per_node: int = 1  # ranks per node (torchrun nproc_per_node)
+    nnodes: int = 1  # nodes
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     num_threads: int = 1  # torch CPU threads per process on CPU (tiny models run fastest on one); 0 => default
-    profile_steps: list[int] = field(default_factory=list)
-    max_ckpt_to_keep: int = 2
+    profile_steps: list[int] = field(default_factory=list)  # global steps to trace with torch.profiler
+    max_ckpt_to_keep: int = 2  # round checkpoints kept
 
 
 @dataclass(frozen=True)
 class DeepSpeedConfig:
-    zero_stage: int = 0
-    bf16: bool = False
-    offload: bool = False
+    zero_stage: int = 0  # ZeRO stage 0-3 for actor and critic
+    bf16: bool = False  # bf16 weights and compute
+    offload: bool = False  # optimizer (and ZeRO-3 params) offload to CPU
 
 
 @dataclass(frozen=True)
 class EarlyStopConfig:
-    enable: bool = True
+    enable: bool = True  # apply the early-stop rules
     kl_patience: int = 3  # stop after KL > target_kl for this many consecutive steps
     kl_ceiling: float = 0.2  # stop at once when KL exceeds this
     val_patience: int = 0  # stop after this many evaluations without improvement; 0 => off
-    min_delta: float = 0.0
+    min_delta: float = 0.0  # val improvement that counts
     max_nonfinite_steps: int = 3  # stop after this many skipped (non-finite) steps
 
 

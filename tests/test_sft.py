@@ -124,8 +124,9 @@ def test_sft_stops_once_greedy_accuracy_on_the_probe_is_reached(tok):
 
 def test_cpu_threads_sets_and_restores_the_thread_count():
     before = torch.get_num_threads()
-    with cpu_threads(before + 1, torch.device("cpu")):
-        assert torch.get_num_threads() == before + 1
+    other = 1 if before > 1 else 2  # fewer is always allowed; more can be capped by the OpenMP runtime
+    with cpu_threads(other, torch.device("cpu")):
+        assert torch.get_num_threads() == other
     assert torch.get_num_threads() == before
     with cpu_threads(0, torch.device("cpu")):
         assert torch.get_num_threads() == before

@@ -150,6 +150,7 @@ class VLLMRolloutEngine:
     def __init__(self, model_dir: str, cfg: RolloutConfig, seed: int = 0, dtype: str | None = None,
                  max_model_len: int | None = None):
         import_vllm()
+        import torch
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -157,7 +158,11 @@ class VLLMRolloutEngine:
         configure_env(cfg.tensor_model_parallel_size)
         self.on_cpu = current_platform.is_cpu()
         self.in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        set_num_threads = torch.set_num_threads
         self.llm = LLM(**engine_kwargs(model_dir, cfg, seed, self.on_cpu, dtype, max_model_len))
+        # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process;
+        # a trainer sharing this process keeps control of its own thread count.
+        torch.set_num_threads = set_num_threads
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:

@@ -37,8 +37,20 @@ def init_distributed(device: torch.device) -> tuple[int, int]:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     backend = "nccl" if device.type == "cuda" else "gloo"
+    _forget_stale_deepspeed_group()
     dist.init_process_group(backend)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _forget_stale_deepspeed_group() -> None:
+    """DeepSpeed caches the process group it first saw; when that group has been destroyed
+    since (an in-process vLLM engine's shutdown does), drop the cache so DeepSpeed adopts
+    the new one instead of failing with "Group ... is not registered"."""
+    import sys
+
+    comm = sys.modules.get("deepspeed.comm.comm")
+    if comm is not None and getattr(comm, "cdb", None) is not None:
+        comm.cdb = None
 
 
 def world() -> tuple[int, int]:

@@ -53,6 +53,30 @@ def _forget_stale_deepspeed_group() -> None:
         comm.cdb = None
 
 
+def drop_stale_deepspeed_groups() -> None:
+    """DeepSpeed caches sub-groups of the first world it saw (`deepspeed.utils.groups`); after
+    that world was destroyed and a new default group made, those handles are invalid. Drop
+    any that the current world does not know, so the next engine builds fresh ones."""
+    import sys
+
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is None:
+        return
+    for name in ("_WORLD_GROUP", "_DATA_PARALLEL_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP",
+                 "_MODEL_PARALLEL_GROUP", "_TENSOR_MODEL_PARALLEL_GROUP"):
+        group = getattr(groups, name, None)
+        if group is not None and not _registered(group):
+            setattr(groups, name, None)
+
+
+def _registered(group) -> bool:
+    try:
+        dist.get_world_size(group=group)
+        return True
+    except (ValueError, RuntimeError):
+        return False
+
+
 def world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()

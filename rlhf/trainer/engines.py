@@ -58,6 +58,9 @@ def prepare_module(module: torch.nn.Module, cfg: PPOConfig) -> torch.nn.Module:
 def build_engine(model: torch.nn.Module, ds_cfg: dict):
     import deepspeed
 
+    from rlhf.trainer.dist import drop_stale_deepspeed_groups
+
+    drop_stale_deepspeed_groups()
     engine, _, _, _ = deepspeed.initialize(model=model, config=ds_cfg,
                                            model_parameters=[p for p in model.parameters() if p.requires_grad])
     return engine

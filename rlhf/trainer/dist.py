@@ -71,7 +71,7 @@ def drop_stale_deepspeed_groups() -> None:
 
 def _registered(group) -> bool:
     try:
-        dist.get_world_size(group=group)
+        dist.get_global_rank(group, 0)  # what DeepSpeed calls; raises for an unregistered group
         return True
     except (ValueError, RuntimeError):
         return False

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as nnf
 
 from rlhf.rollout.base import RolloutBatch, SamplingParams
-from rlhf.rollout.hf import check_params, cut_at_stop, resolve_device, sample_next, stop_token_ids
+from rlhf.rollout.hf import HFRolloutEngine, check_params, cut_at_stop, resolve_device, sample_next
 
 STATIC_KV_ATTENTION = "rlhf_static_kv"
 PREFILL_TOKENS = 65536  # packed prompt tokens per prefill forward
@@ -111,7 +111,7 @@ def flash_available(device: torch.device) -> bool:
     return device.type == "cuda" and torch.backends.cuda.is_flash_attention_available()
 
 
-class FastHFRolloutEngine:
+class FastHFRolloutEngine(HFRolloutEngine):
     """`RolloutEngine` over a transformers causal LM held in this process (one GPU, or CPU
     without graphs for testing). `batch_size` counts sequences (prompts x n) decoded together.
 
@@ -140,19 +140,7 @@ class FastHFRolloutEngine:
         self.model = None
         self.set_model(model)
 
-    # -- the protocol ------------------------------------------------------------------------
-    def set_model(self, model) -> None:
-        self.model = model.to(self.device)
-        self.stop_ids = stop_token_ids(self.model, self.eos_id)
-
-    def update_weights(self, model_dir: str) -> None:
-        from rlhf.models.load import load_weights_into
-
-        load_weights_into(self.model, model_dir)
-
-    def close(self) -> None:
-        self.model = None
-
+    # -- the protocol (set_model, update_weights, close: HFRolloutEngine's) -------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
         check_params(prompts, params)
         register_static_kv_attention()

@@ -5,11 +5,19 @@ Storage: a SQLite file by default (one process at a time), a PostgreSQL URL
 (`postgresql://user@host/db`) when trials run in parallel workers. Everything that
 crosses a process boundary is a plain value (study name, storage URL, trial number),
 so trials in other processes or pods reach the same study.
+
+A worker that dies mid-trial (a killed pod, a lost node) cannot tell its trial FAIL. Its
+`TrialReporter` records a heartbeat every `heartbeat_interval` seconds while the trial
+runs; `ask_batch` first fails every RUNNING trial whose heartbeat is older than
+`grace_period`, and `RetryFailedTrialCallback` queues a retry with the same params
+(up to `max_retry` times), which the next ask picks up.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +35,9 @@ class StudySpec:
     seed: int = 0
     n_startup_trials: int = 2  # pruner: trials before pruning starts
     n_warmup_steps: int = 1  # pruner: rounds reported before a trial can be pruned
+    heartbeat_interval: int = 60  # seconds between a running trial's heartbeats
+    grace_period: int = 180  # a RUNNING trial without a heartbeat this long is failed (worker died)
+    max_retry: int = 1  # retries of a trial failed that way (same params)
 
 
 def storage_url(spec: StudySpec, output_dir: str = "outputs") -> str:
@@ -64,20 +75,29 @@ def open_study(spec: StudySpec, storage: str):
     """Create the study, or load it when a study of that name exists (a re-launch continues it)."""
     import optuna
 
-    rdb = optuna.storages.RDBStorage(storage, heartbeat_interval=60, grace_period=180,
-                                     failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=1))
+    retry = optuna.storages.RetryFailedTrialCallback(max_retry=spec.max_retry)
+    rdb = optuna.storages.RDBStorage(storage, heartbeat_interval=spec.heartbeat_interval,
+                                     grace_period=spec.grace_period, failed_trial_callback=retry)
     return optuna.create_study(study_name=spec.name, storage=rdb, directions=list(spec.directions),
                                sampler=_sampler(spec), pruner=_pruner(spec), load_if_exists=True)
 
 
 def ask_batch(study, space, k: int) -> list[tuple[int, dict[str, Any]]]:
-    """Ask `k` trials; returns (trial number, sampled params) for each."""
+    """Ask `k` trials; returns (trial number, sampled params) for each. Trials whose worker
+    stopped sending heartbeats are failed first, so their retries (same params) come first."""
+    import optuna
+
     from sweeps.space import suggest
 
     out = []
-    for _ in range(k):
-        trial = study.ask()
-        out.append((trial.number, suggest(trial, space)))
+    with warnings.catch_warnings():
+        # Heartbeats come from `TrialReporter`, not from `Study.optimize`, which optuna warns about.
+        warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
+        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
+        for _ in range(k):
+            trial = study.ask()
+            out.append((trial.number, suggest(trial, space)))
     return out
 
 
@@ -98,6 +118,8 @@ def tell_batch(study, results: list[tuple[int, str, list[float]]]) -> None:
 
 class TrialReporter:
     """Reports a running trial's per-round values to the study; `should_prune` asks the pruner.
+    While it is open, a daemon thread records the trial's heartbeat every
+    `spec.heartbeat_interval` seconds (use it as a context manager, or call `close()`).
 
     Built from plain values so a trial running in another process can use it."""
 
@@ -109,8 +131,34 @@ class TrialReporter:
         self.trial_id = self.study._storage.get_trial_id_from_study_id_trial_number(self.study._study_id,
                                                                                    trial_number)
         self.trial = optuna.trial.Trial(self.study, self.trial_id)
+        self._stop = threading.Event()
+        self._beat()
+        self._thread = threading.Thread(target=self._beat_every, args=(spec.heartbeat_interval,), daemon=True,
+                                        name=f"optuna-heartbeat-{trial_number}")
+        self._thread.start()
+
+    def _beat(self) -> None:
+        self.study._storage.record_heartbeat(self.trial_id)
+
+    def _beat_every(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                self._beat()
+            except Exception as e:  # a storage hiccup must not kill the trial; the next beat retries
+                log.warning("heartbeat of trial %d not recorded: %s", self.trial.number, e)
 
     def report(self, value: float, step: int) -> bool:
         """Record `value` at `step`; True when the pruner says to stop this trial."""
         self.trial.report(value, step)
         return self.trial.should_prune()
+
+    def close(self) -> None:
+        """Stop the heartbeat (before the trial is told its result)."""
+        self._stop.set()
+        self._thread.join()
+
+    def __enter__(self) -> "TrialReporter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

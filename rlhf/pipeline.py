@@ -253,7 +253,11 @@ def update_from_checkpoint(cfg: PPOConfig, base_model_dir: str, checkpoint_dir: 
         ckpt.apply_state(trainer, state)
     local = stages.shard(scored, cfg.trainer.steps_per_round, rank, world)
     t = time.perf_counter()
-    steps = stages.update(trainer, local, tokenizer.pad_token_id, cfg)
+    from rlhf.profiling import StepProfiler
+
+    profiler = StepProfiler(cfg.trainer.profile_steps, out, device, rank)
+    with profiler.update(state.global_step + 1, cfg.trainer.steps_per_round, sink if rank == 0 else None):
+        steps = stages.update(trainer, local, tokenizer.pad_token_id, cfg)
     timing = {"timing_s/update": time.perf_counter() - t}
     steps = step_metrics(steps, stages.rollout_metrics(scored, cfg), timing, count_tokens(scored), world, trainer,
                          device)

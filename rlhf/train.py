@@ -62,6 +62,9 @@ class Run:
         self.engine = self._make_engine(policy_dir)
         self.reward_model = stages.load_reward_model(cfg, self.device)
         self.sink = self._make_sink()
+        from rlhf.profiling import StepProfiler
+
+        self.profiler = StepProfiler(cfg.trainer.profile_steps, self.out, self.device, self.rank)
 
     # -- set-up helpers ------------------------------------------------------------------
     def _make_engine(self, policy_dir: str):
@@ -104,7 +107,8 @@ class Run:
         scored = stages.score(rollouts, cfg, self.reward_model)
         timer["timing_s/reward"] = _lap(t)
         t = time.perf_counter()
-        steps = stages.update(self.trainer, scored, self.tokenizer.pad_token_id, cfg)
+        with self.profiler.update(self.state.global_step + 1, cfg.trainer.steps_per_round, self.sink):
+            steps = stages.update(self.trainer, scored, self.tokenizer.pad_token_id, cfg)
         timer["timing_s/update"] = _lap(t)
         gen_metrics = D.mean_across_ranks(stages.rollout_metrics(rollouts, cfg))
         n_tokens = float(D.all_reduce_sum(torch.tensor(P.count_tokens(rollouts))))

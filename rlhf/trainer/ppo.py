@@ -40,7 +40,8 @@ class Timer:
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
         t0 = time.perf_counter()
-        yield
+        with torch.profiler.record_function(name):  # the stage's range in `trainer.profile_steps` traces
+            yield
         self.times[f"timing_s/{name}"] = self.times.get(f"timing_s/{name}", 0.0) + time.perf_counter() - t0
 
 
@@ -191,15 +192,18 @@ class PPOTrainer:
                 guard.reset()
                 finite = True
                 for mb in self._micro(mini, micro):
-                    loss, m = loss_fn(mb)
+                    with torch.profiler.record_function(f"{prefix}/forward"):
+                        loss, m = loss_fn(mb)
                     finite &= bool(torch.isfinite(loss))
                     if not finite:
                         break  # the rest of this mini-batch would be dropped anyway
-                    engine.backward(loss * (len(mb) / len(mini)), scale_wrt_gas=False)
+                    with torch.profiler.record_function(f"{prefix}/backward"):
+                        engine.backward(loss * (len(mb) / len(mini)), scale_wrt_gas=False)
                     for k, v in m.items():
                         sums[k] = sums.get(k, 0.0) + v
                     count += 1
-                gn = local_grad_norm(engine)
+                with torch.profiler.record_function(f"{prefix}/grad_norm"):
+                    gn = local_grad_norm(engine)
                 bad = D.all_reduce_max(torch.tensor(0.0 if finite else 1.0)).item() > 0 or guard.tripped()
                 if gn is not None:
                     gn = math.sqrt(D.all_reduce_sum(torch.tensor(gn * gn)).item() / D.world()[1])
@@ -208,7 +212,8 @@ class PPOTrainer:
                     skip_step(engine)
                     self.skipped_steps += 1
                     continue
-                engine.step()
+                with torch.profiler.record_function(f"{prefix}/optimizer_step"):
+                    engine.step()
                 if gn is None:
                     gn = engine.get_global_grad_norm()
                 if gn is not None:

@@ -3,12 +3,15 @@
 Layout: `<output_dir>/checkpoints/round_000003/` holding `actor/` and `critic/`
 (safetensors + tokenizer, loadable by any HF tool), `engine/` (DeepSpeed optimizer
 state), and `state.json` (the `RoundState`). A checkpoint is written under a hidden
-temporary name and renamed into place only when complete, so a crash mid-save never
-leaves a directory that reads as valid.
+temporary name, sealed with `manifest.json` (every file's size) and renamed into place
+only when complete, so a crash mid-save never leaves a directory that reads as valid:
+a missing manifest, a missing or truncated file is reported and an earlier checkpoint
+used. Weights holding NaN or inf are never checkpointed (`NonFiniteStateError`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -19,6 +22,7 @@ log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^round_(\d{6})$")
 STATE_FILE = "state.json"
+MANIFEST_FILE = "manifest.json"  # written last: relative path -> size of every other file
 
 
 def checkpoint_root(output_dir: str | os.PathLike) -> Path:
@@ -33,22 +37,53 @@ def tmp_dir_for(root: Path, round_: int) -> Path:
     return root / f".tmp_{round_dir_name(round_)}"
 
 
+def write_manifest(path: Path) -> None:
+    """Seal a fully written checkpoint directory: record every file's size, atomically."""
+    files = {str(f.relative_to(path)): f.stat().st_size for f in sorted(path.rglob("*"))
+             if f.is_file() and f.name != MANIFEST_FILE}
+    tmp = path / f".{MANIFEST_FILE}.tmp"
+    tmp.write_text(json.dumps({"files": files}, indent=1, sort_keys=True))
+    os.replace(tmp, path / MANIFEST_FILE)
+
+
+def why_incomplete(path: Path) -> str:
+    """"" for a complete checkpoint, else what is wrong with it."""
+    try:
+        files = json.loads((path / MANIFEST_FILE).read_text())["files"]
+    except FileNotFoundError:
+        return f"no {MANIFEST_FILE} (the save did not finish)"
+    except (ValueError, KeyError, TypeError) as e:
+        return f"unreadable {MANIFEST_FILE} ({e})"
+    for name in (STATE_FILE, "actor/config.json"):
+        if name not in files:
+            return f"{name} is not listed in {MANIFEST_FILE}"
+    for name, size in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size} bytes, {size} expected (truncated or overwritten)"
+    return ""
+
+
 def is_complete(path: Path) -> bool:
-    return (path / STATE_FILE).is_file() and (path / "actor" / "config.json").is_file()
+    return why_incomplete(path) == ""
 
 
 def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
-    """The newest complete round checkpoint; incomplete ones are skipped with a warning."""
+    """The newest complete round checkpoint; incomplete ones and left-over temporary
+    directories of an interrupted save are skipped, each with a warning naming it."""
     root = checkpoint_root(output_dir)
     if not root.is_dir():
         return None
+    for p in sorted(root.glob(".tmp_*")):
+        log.warning("ignoring half-written checkpoint %s (a save was interrupted before it was renamed)", p)
     found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)))
     for _, path in reversed(found):
-        if is_complete(path):
+        reason = why_incomplete(path)
+        if not reason:
             return path
-        log.warning("checkpoint %s is incomplete (no %s or actor weights); using an earlier one", path, STATE_FILE)
-    for p in root.glob(".tmp_*"):
-        log.warning("ignoring half-written checkpoint %s", p)
+        log.warning("checkpoint %s is not valid: %s; using an earlier one", path, reason)
     return None
 
 
@@ -77,8 +112,9 @@ CONFIG_FILE = "config.yaml"
 
 def save(final: Path, trainer, tokenizer, cfg, state) -> Path:
     """Write a complete checkpoint at `final`, atomically: every rank writes its engine
-    shards into a hidden temporary directory, rank 0 the safetensors models, the config
-    and `state.json`, then renames it into place. All ranks must call it."""
+    shards into a hidden temporary directory, rank 0 the safetensors models, the config,
+    `state.json` and last the manifest, then renames it into place. All ranks must call it.
+    Raises `NonFiniteStateError` (on every rank, writing nothing) when a weight is NaN or inf."""
     from rlhf.config import save_config
     from rlhf.trainer import dist as D
     from rlhf.trainer.engines import full_state_dict
@@ -86,6 +122,9 @@ def save(final: Path, trainer, tokenizer, cfg, state) -> Path:
     rank = D.world()[0]
     final = Path(final)
     tmp = final.parent / f".tmp_{final.name}"
+    actor_sd = full_state_dict(trainer.actor)  # collective under ZeRO-3: every rank takes part
+    critic_sd = full_state_dict(trainer.critic) if trainer.critic is not None else None
+    refuse_non_finite({"actor": actor_sd, "critic": critic_sd}, final)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -93,17 +132,34 @@ def save(final: Path, trainer, tokenizer, cfg, state) -> Path:
     trainer.actor.save_checkpoint(str(tmp / ENGINE_DIR / "actor"), tag=ENGINE_TAG)
     if trainer.critic is not None:
         trainer.critic.save_checkpoint(str(tmp / ENGINE_DIR / "critic"), tag=ENGINE_TAG)
-    actor_sd = full_state_dict(trainer.actor)  # collective under ZeRO-3: every rank takes part
-    critic_sd = full_state_dict(trainer.critic) if trainer.critic is not None else None
+    D.barrier()  # every rank's shards are on disk before rank 0 seals the directory
     if rank == 0:
         save_module(trainer.actor.module, actor_sd, tokenizer, tmp / "actor")
         if critic_sd is not None:
             save_module(trainer.critic.module, critic_sd, tokenizer, tmp / "critic")
         save_config(cfg, tmp / CONFIG_FILE)
         (tmp / STATE_FILE).write_text(state.to_json())
+        write_manifest(tmp)
         commit(tmp, final)
     D.barrier()
     return final
+
+
+def refuse_non_finite(state_dicts: dict, final: Path) -> None:
+    """Raise `NonFiniteStateError` on every rank when any rank sees a NaN or inf weight."""
+    import torch
+
+    from rlhf.faults import NonFiniteStateError, non_finite_tensors
+    from rlhf.trainer import dist as D
+
+    bad = non_finite_tensors(state_dicts)
+    if D.all_reduce_max(torch.tensor(1.0 if bad else 0.0)).item() == 0:
+        return
+    msg = (f"refusing to write checkpoint {final}: non-finite weights in {', '.join(bad) or 'another rank'}; "
+           "the training state diverged (lower actor.lr or set actor.grad_clip); "
+           "resume from the previous checkpoint")
+    log.error("%s", msg)
+    raise NonFiniteStateError(msg)
 
 
 def save_module(module, state_dict, tokenizer, path: Path) -> None:

@@ -117,11 +117,14 @@ def sampling_params(cfg: PPOConfig, seed: int | None = None) -> SamplingParams:
 
 
 def rollout(engine: RolloutEngine, tokenizer, prompts: pd.DataFrame, cfg: PPOConfig, seed: int) -> pd.DataFrame:
-    """Sample `rollout.n` responses per prompt; returns a RolloutSchema table (prompt groups contiguous)."""
+    """Sample `rollout.n` responses per prompt; returns a RolloutSchema table (prompt groups contiguous).
+    Out of device memory raises `RecoverableOOMError` naming the rollout settings to lower."""
+    from rlhf.faults import oom_as_recoverable, rollout_memory_settings
     from schemas import dump_json_column
 
     ids = tokenize(prompts, tokenizer, cfg)
-    batch: RolloutBatch = engine.generate(ids, sampling_params(cfg, seed))
+    with oom_as_recoverable("rollout", rollout_memory_settings(cfg)):
+        batch: RolloutBatch = engine.generate(ids, sampling_params(cfg, seed))
     rows = prompts.iloc[batch.prompt_index].reset_index(drop=True)
     out = rows.assign(
         response=batch.response_text,
@@ -199,10 +202,12 @@ def evaluate(engine: RolloutEngine, tokenizer, val: pd.DataFrame, cfg: PPOConfig
              ) -> dict[str, float]:
     """Greedy validation: flat `val-core/<source>/reward/mean@1` metrics and `val/accuracy`."""
     from rlhf.evaluate import evaluate_greedy
+    from rlhf.faults import oom_as_recoverable, rollout_memory_settings
 
-    return evaluate_greedy(engine, tokenizer, val, cfg.data.max_prompt_length, cfg.data.max_response_length,
-                           cfg.reward, reward_model=reward_model, prompt_format=cfg.data.prompt_format,
-                           truncation=cfg.data.truncation)
+    with oom_as_recoverable("validation rollout", rollout_memory_settings(cfg)):
+        return evaluate_greedy(engine, tokenizer, val, cfg.data.max_prompt_length, cfg.data.max_response_length,
+                               cfg.reward, reward_model=reward_model, prompt_format=cfg.data.prompt_format,
+                               truncation=cfg.data.truncation)
 
 
 def val_score(metrics: dict[str, float]) -> float:

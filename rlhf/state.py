@@ -81,14 +81,16 @@ def record_val(state: RoundState, score: float, min_delta: float) -> RoundState:
 def decide(state: RoundState, step_metrics: list[dict[str, float]], cfg: PPOConfig) -> tuple[RoundState, Verdict]:
     """Early-stopping verdict after a round. Rules (all thresholds in `early_stop.*`):
     KL above `target_kl` for `kl_patience` consecutive steps; KL above `kl_ceiling` once;
-    `val_patience` evaluations without improvement; `max_nonfinite_steps` skipped steps."""
+    `val_patience` evaluations without improvement; `max_nonfinite_steps` skipped steps;
+    a non-finite KL in a step that was applied."""
     es, target = cfg.early_stop, cfg.algorithm.kl_ctrl.target_kl
     over = state.consecutive_kl_over
     reason = ""
     for m in step_metrics:
         kl = m.get("actor/current_kl", 0.0)
         if not math.isfinite(kl):
-            reason = reason or "non-finite KL between policy and reference"
+            if not m.get("training/step_skipped"):  # a skipped step is counted below instead
+                reason = reason or "non-finite KL between policy and reference"
             continue
         over = over + 1 if kl > target else 0
         if kl > es.kl_ceiling:

@@ -149,13 +149,14 @@ def test_resume_matches_uninterrupted_run(tmp_path):
 
 
 def test_half_written_checkpoint_is_ignored(tmp_path):
-    from rlhf.checkpoint import latest_checkpoint
+    from rlhf.checkpoint import latest_checkpoint, write_manifest
 
     root = tmp_path / "checkpoints"
     good = root / "round_000001"
     (good / "actor").mkdir(parents=True)
     (good / "actor" / "config.json").write_text("{}")
     (good / "state.json").write_text("{}")
+    write_manifest(good)
     (root / "round_000002" / "actor").mkdir(parents=True)  # crashed before state.json
     (root / ".tmp_round_000003").mkdir()
     assert latest_checkpoint(tmp_path) == good

@@ -4,15 +4,20 @@
 classifier's logit at the last non-pad token of `prompt + response` (a chat prompt,
 a JSON list of {role, content}, is rendered with the tokenizer's chat template with
 the response as the assistant turn). Pairs are length-sorted into batches and padded
-on the right, so a pair's score does not depend on its batch.
+on the right, so a pair's score does not depend on its batch. A non-finite score (NaN or
+inf, from a diverged or corrupted checkpoint) is returned as it is with a warning naming
+the rows; the trainer then drops the step and counts it (`early_stop.max_nonfinite_steps`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from typing import Sequence
+
+log = logging.getLogger(__name__)
 
 
 class RewardModel:
@@ -45,10 +50,12 @@ class RewardModel:
             chunk = order[start:start + self.batch_size]
             for i, value in zip(chunk, self._forward([ids[i] for i in chunk])):
                 out[i] = value
-        for i, value in enumerate(out):
-            if not math.isfinite(value):
-                raise ValueError(f"reward model at {self.path} returned {value} for row {i} "
-                                 f"(text {texts[i][:80]!r}); check the checkpoint (dtype, corrupted weights)")
+        bad = [i for i, value in enumerate(out) if not math.isfinite(value)]
+        if bad:
+            i = bad[0]
+            log.warning("reward model at %s returned %s for %d of %d rows (first: row %d, text %r); the "
+                        "update drops steps with non-finite rewards; check the checkpoint (dtype, corrupted "
+                        "weights)", self.path, out[i], len(bad), len(out), i, texts[i][:80])
         return out
 
     def _encode(self, text: str) -> list[int]:

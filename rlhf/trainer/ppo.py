@@ -11,8 +11,10 @@ the reward, token-level rewards, GAE or GRPO, whitening over all ranks), 5. `upd
 6. `update_critic`. The KL controller moves once per step, as verl's does.
 
 How it departs from the textbook: advantages are whitened per step over the global batch
-(verl's `compute_gae_advantage_return`); a step whose loss or gradients are not finite is
-dropped whole and counted, never applied.
+(verl's `compute_gae_advantage_return`); a mini-batch whose loss or gradients are not
+finite (NaN/inf logits, rewards, values or advantages end there) is dropped, never
+applied, and the step counted as skipped; a non-finite KL never moves the KL controller.
+Out of device memory becomes a `RecoverableOOMError` naming the batch settings to lower.
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ class PPOTrainer:
         self.ref = ref.to(device).eval() if ref is not None else None
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = algos.make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
-        self.skipped_steps = 0
+        self.skipped_steps = 0  # PPO steps with at least one dropped (non-finite) update
+        self._skipped_updates = 0  # dropped optimizer updates in the current step
         self.timer = Timer()
 
     # -- helpers ---------------------------------------------------------------------
@@ -131,7 +134,7 @@ class PPOTrainer:
                 metrics["actor/reward_kl_penalty"] = float(tok[0] / tok[1].clamp(min=1))
                 metrics["actor/reward_kl_penalty_coeff"] = self.kl_ctrl.value if in_reward else 0.0
                 metrics["actor/current_kl"] = current_kl
-                if in_reward:
+                if in_reward and math.isfinite(current_kl):
                     self.kl_ctrl.update(current_kl=current_kl, n_steps=self.sizes.responses_per_step)
             if alg.adv_estimator == "gae":
                 adv, ret = algos.compute_gae(rewards, batch.values, mask, alg.gamma, alg.lam)
@@ -210,7 +213,7 @@ class PPOTrainer:
                 bad |= gn is not None and not math.isfinite(gn)
                 if bad:
                     skip_step(engine)
-                    self.skipped_steps += 1
+                    self._skipped_updates += 1
                     continue
                 with torch.profiler.record_function(f"{prefix}/optimizer_step"):
                     engine.step()
@@ -243,20 +246,28 @@ class PPOTrainer:
     def step(self, batch: PPOBatch) -> dict[str, float]:
         """One PPO step over one step's share of the buffer (behaviour/ref log-probs present)."""
         self.timer = Timer()
-        skipped_before = self.skipped_steps
+        self._skipped_updates = 0
         batch = self.critic_values(batch)
         batch, metrics = self.advantages(batch)
         metrics.update(self.update_critic(batch))
         metrics.update(self.update_actor(batch))
         metrics = D.mean_across_ranks(metrics)
         metrics.update(_stats("critic/score", D.all_gather_cat(batch.scores)))
+        self.skipped_steps += int(self._skipped_updates > 0)  # the same on every rank: `bad` is reduced
         metrics["training/skipped_steps"] = float(self.skipped_steps)
-        metrics["training/step_skipped"] = float(self.skipped_steps > skipped_before)
+        metrics["training/step_skipped"] = float(self._skipped_updates > 0)
+        metrics["training/skipped_updates"] = float(self._skipped_updates)
         metrics.update(self.timer.times)
         return metrics
 
     def round(self, buf: PPOBatch, steps: int) -> list[dict[str, float]]:
         """Run `steps` PPO steps over the round's buffer; returns one metrics dict per step."""
+        from rlhf.faults import oom_as_recoverable, update_memory_settings
+
+        with oom_as_recoverable("PPO update", update_memory_settings(self.cfg)):
+            return self._round(buf, steps)
+
+    def _round(self, buf: PPOBatch, steps: int) -> list[dict[str, float]]:
         buf = self.behaviour_log_probs(buf)
         buf = self.reference_log_probs(buf)
         head_times = dict(self.timer.times)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from flytekit import Deck, task
 from flytekit.types.directory import FlyteDirectory
@@ -13,6 +13,7 @@ from rlhf import stages
 from rlhf.config import PPOConfig
 from rlhf.plots import metrics_html, training_html
 from rlhf.state import RoundState, decide as decide_stop
+from sweeps.trial import TrialContext, check_pruning
 from tasks.base import CPU_SMALL, DECK, DECK_FIELDS, GPU, GPU_RETRIES, Prompts, gpu_resources, retry_transient
 
 Evaluated = NamedTuple("Evaluated", [("state", RoundState), ("score", float)])
@@ -43,8 +44,12 @@ def score_policy(cfg: PPOConfig, policy: FlyteDirectory, val: Prompts) -> float:
 
 @task(requests=CPU_SMALL, container_image=CPU_IMAGE, enable_deck=True,
       deck_fields=DECK_FIELDS)
-def decide(cfg: PPOConfig, state: RoundState, steps: list[dict[str, float]]) -> Decided:
-    """The early-stop verdict after a round (KL budget, val patience, non-finite steps)."""
+def decide(cfg: PPOConfig, state: RoundState, steps: list[dict[str, float]],
+           trial: Optional[TrialContext] = None) -> Decided:
+    """The early-stop verdict after a round (KL budget, val patience, non-finite steps); in a
+    sweep's trial (`trial` given), also the study's pruner on this round's val score."""
     new, verdict = decide_stop(state, steps, cfg)
+    if trial is not None:
+        new, verdict = check_pruning(trial, new, verdict, rounds_left=new.round < cfg.trainer.total_rounds)
     Deck(DECK, training_html(new, verdict.reason))
     return Decided(state=new, stop=verdict.stop, reason=verdict.reason)

@@ -21,6 +21,7 @@ from containers.images import CPU_IMAGE
 from rlhf import pipeline as P
 from rlhf.config import PPOConfig
 from rlhf.state import RoundState
+from sweeps.trial import TrialContext
 from tasks.base import CPU_SMALL, Prompts, gpu_resources
 from tasks.data import dataset_fingerprint, prepare_dataset, prepare_policy, sample_prompts
 from tasks.evaluate import decide, evaluate
@@ -44,9 +45,11 @@ def prepare_data(cfg: PPOConfig) -> Data:
 
 @dynamic(requests=CPU_SMALL, container_image=CPU_IMAGE)
 def ppo_round(cfg: PPOConfig, train: Prompts, val: Prompts, base_model: FlyteDirectory, policy: FlyteDirectory,
-              checkpoint: Optional[FlyteDirectory], state: Optional[RoundState], run_id: str) -> Rounds:
+              checkpoint: Optional[FlyteDirectory], state: Optional[RoundState], run_id: str,
+              trial: Optional[TrialContext] = None) -> Rounds:
     """One round from `policy` (checkpoint `checkpoint`, state `state`; None for the first
-    round, which validates the starting policy first), then the next round or the end."""
+    round, which validates the starting policy first), then the next round or the end.
+    In a sweep's trial (`trial` given), `decide` also reports to the study's pruner."""
     s = state or RoundState.initial(cfg)
     if state is None and P.should_validate_first(cfg, s):
         s = evaluate(cfg=cfg, policy=policy, val=val, state=s, run_id=run_id).state
@@ -63,7 +66,7 @@ def ppo_round(cfg: PPOConfig, train: Prompts, val: Prompts, base_model: FlyteDir
     done = (state.round if state else 0) + 1
     if P.should_evaluate(cfg, done):
         s = evaluate(cfg=cfg, policy=updated.policy, val=val, state=s, run_id=run_id).state
-    verdict = decide(cfg=cfg, state=s, steps=updated.steps)
+    verdict = decide(cfg=cfg, state=s, steps=updated.steps, trial=trial)
     if done >= cfg.trainer.total_rounds:
         return Rounds(model=updated.policy, state=verdict.state)
     return (conditional("early_stop")
@@ -71,7 +74,7 @@ def ppo_round(cfg: PPOConfig, train: Prompts, val: Prompts, base_model: FlyteDir
             .then(finish(model=updated.policy, state=verdict.state))
             .else_()
             .then(ppo_round(cfg=cfg, train=train, val=val, base_model=base_model, policy=updated.policy,
-                            checkpoint=updated.checkpoint, state=verdict.state, run_id=run_id)))
+                            checkpoint=updated.checkpoint, state=verdict.state, run_id=run_id, trial=trial)))
 
 
 def gpu_overrides(n_gpus: int) -> dict:

@@ -1,0 +1,128 @@
+"""What a sweep leaves behind: the summary (best trial against the default config's own
+trial), the best trial's config as a YAML file for `ppo_pipeline --cfg`, and the Optuna
+plots for the console's decks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from rlhf.config import PPOConfig, to_dict
+from sweeps.space import apply
+from sweeps.steps import DEFAULT_ATTR
+
+
+def best_trial(study):
+    """The best finished trial: the study's best (one objective), or on the Pareto front the
+    trial with the highest val score (two objectives); None before any trial completed."""
+    complete = [t for t in study.get_trials(deepcopy=False) if t.state.name == "COMPLETE"]
+    if not complete:
+        return None
+    if len(study.directions) == 1:
+        return study.best_trial
+    return max(study.best_trials, key=lambda t: t.values[0])
+
+
+def default_trial(study):
+    """The trial that ran the base config's own values (the first one, if run twice)."""
+    return next((t for t in study.get_trials(deepcopy=False) if t.user_attrs.get(DEFAULT_ATTR)), None)
+
+
+def trial_summary(t) -> dict[str, Any]:
+    if t is None:
+        return {}
+    return {"number": t.number, "state": t.state.name, "params": dict(t.params),
+            "values": list(t.values) if t.values else [],
+            "final_val": t.user_attrs.get("final_val"), "best_val": t.user_attrs.get("best_val"),
+            "kl_budget": t.user_attrs.get("kl_budget"), "stop_reason": t.user_attrs.get("stop_reason")}
+
+
+def summary(study, first_number: int = 0) -> dict[str, Any]:
+    """Counts by state, the best and the default trial, and their val scores side by side;
+    `first_number` is the first trial of this launch (earlier ones came from relaunches)."""
+    trials = study.get_trials(deepcopy=False)
+    states: dict[str, int] = {}
+    for t in trials:
+        states[t.state.name] = states.get(t.state.name, 0) + 1
+    best, default = best_trial(study), default_trial(study)
+    out = {"study": study.study_name, "directions": [d.name.lower() for d in study.directions],
+           "n_trials": len(trials), "launched": sum(t.number >= first_number for t in trials),
+           "states": states, "best": trial_summary(best), "default": trial_summary(default)}
+    if len(study.directions) == 2:
+        out["pareto_front"] = sorted(t.number for t in study.best_trials)
+    b, d = out["best"].get("final_val"), out["default"].get("final_val")
+    out["best_val_score"], out["default_val_score"] = b, d
+    out["best_minus_default"] = (b - d) if b is not None and d is not None else None
+    return out
+
+
+def best_config(study, base: PPOConfig) -> Optional[PPOConfig]:
+    best = best_trial(study)
+    return apply(base, best.params) if best is not None else None
+
+
+def write_atomic(path: Path, text: str) -> Path:
+    """Write `text` to `path` through a temporary file in the same directory and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_config_yaml(cfg: PPOConfig, path: Path, header: str = "") -> Path:
+    """The whole config as YAML (what `load_config` and `ppo_pipeline --cfg` read)."""
+    comment = "".join(f"# {line}\n" for line in header.splitlines())
+    return write_atomic(path, comment + yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def write_summary_json(data: dict[str, Any], path: Path) -> Path:
+    return write_atomic(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+
+
+# ---------------------------------------------------------------------------------
+# Plots (optuna.visualization, plotly)
+# ---------------------------------------------------------------------------------
+
+
+def figures(study) -> dict[str, Any]:
+    """Deck title -> plotly figure: optimization history and parallel coordinates once a
+    trial completed; parameter importances with >= 2 completed trials whose params and
+    values vary (fANOVA has nothing to split otherwise); the Pareto front with two objectives."""
+    from optuna import visualization as vis
+
+    complete = [t for t in study.get_trials(deepcopy=False) if t.state.name == "COMPLETE"]
+    if not complete:
+        return {}
+    two = len(study.directions) == 2
+    target = {"target": (lambda t: t.values[0]), "target_name": "val score"} if two else {}
+    out = {"optimization history": vis.plot_optimization_history(study, **target),
+           "parallel coordinates": vis.plot_parallel_coordinate(study, **target)}
+    if len(complete) >= 2 and _varies(complete):
+        out["parameter importances"] = vis.plot_param_importances(study, **target)
+    if two:
+        out["pareto front"] = vis.plot_pareto_front(study, target_names=["val score", "mean KL"])
+    return out
+
+
+def _varies(trials) -> bool:
+    names = {k for t in trials for k in t.params}
+    params = any(len({repr(t.params.get(k)) for t in trials}) > 1 for k in names)
+    return params and all(len({t.values[i] for t in trials}) > 1 for i in range(len(trials[0].values)))
+
+
+def figure_html(fig, with_plotly_js: bool) -> str:
+    """A figure as an HTML fragment; the plotly library is inlined only where asked (once per
+    page), so the decks work without network access."""
+    return fig.to_html(full_html=False, include_plotlyjs=bool(with_plotly_js))

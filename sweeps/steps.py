@@ -1,0 +1,192 @@
+"""A sweep's steps between the Optuna study and the PPO runs, as plain functions that the
+Flyte workflow (`sweeps/sweep.py`) calls: check the sweep, plan a batch (ask, build each
+trial's config), turn a trial's final state into its Optuna result, tell the batch, and
+keep one MLflow parent run per sweep with a nested run per trial.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+from rlhf import pipeline as P
+from rlhf.config import ConfigError, PPOConfig, flatten
+from rlhf.state import RoundState
+from sweeps.objective import convergence_metrics, objective, pareto_objectives
+from sweeps.space import ParamSpec, apply, check_space, default_space
+from sweeps.study import StudySpec, ask_batch, tell_batch
+from sweeps.trial import is_pruned
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ATTR = "default_config"  # user attr of the trial that runs the base config's own values
+# Sections a sweep prepares once for all its trials (dataset, starting policy).
+SHARED_SECTIONS = ("data.", "model.")
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    study: StudySpec = field(default_factory=StudySpec)
+    n_trials: int = 8  # trials this launch adds to the study (a relaunch adds more)
+    batch_size: int = 2  # trials asked, run in parallel and told together
+    space: list[ParamSpec] = field(default_factory=default_space)
+    run_default: bool = True  # the base config's own values run once per study, as its first trial asked
+    kl_budget_weight: float = 0.5  # objective: penalty per unit of KL-budget violation
+    divergence_penalty: float = 0.25  # objective: penalty when the run stopped for divergence
+    score_threshold: float = 0.5  # val score that `steps_to_score` counts steps to
+
+
+@dataclass
+class Planned:
+    """One asked trial: its number, sampled params and config (None when refused: `error`)."""
+
+    number: int
+    params: dict[str, Any]
+    cfg: Optional[PPOConfig]
+    error: str = ""
+    is_default: bool = False
+
+
+def check_sweep(sweep: SweepConfig) -> None:
+    """Counts are positive and the space is valid for a sweep that shares data and policy."""
+    if sweep.n_trials <= 0 or sweep.batch_size <= 0:
+        raise ConfigError(f"sweep.n_trials ({sweep.n_trials}) and sweep.batch_size ({sweep.batch_size}) must be > 0")
+    if not sweep.space:
+        raise ConfigError("sweep.space is empty; give at least one parameter (see sweeps.space.default_space)")
+    check_space(sweep.space)
+    shared = [p.name for p in sweep.space if p.name.startswith(SHARED_SECTIONS)]
+    if shared:
+        raise ConfigError(f"sweep parameters {shared} change the dataset or the starting policy, which a sweep "
+                          "prepares once for all its trials; set them in the sweep's cfg instead")
+    if len(sweep.study.directions) not in (1, 2):
+        raise ConfigError(f"sweep.study.directions must hold 1 or 2 directions, got {sweep.study.directions}")
+
+
+def default_params(cfg: PPOConfig, space: list[ParamSpec]) -> dict[str, Any]:
+    """The base config's own values of the swept keys (categorical values as their choice text)."""
+    flat = flatten(cfg)
+    return {p.name: str(flat[p.name]) if p.kind == "categorical" else flat[p.name] for p in space}
+
+
+def enqueue_default(study, cfg: PPOConfig, space: list[ParamSpec]) -> bool:
+    """Queue the base config's own trial unless the study has one; True when queued."""
+    if any(t.user_attrs.get(DEFAULT_ATTR) for t in study.get_trials(deepcopy=False)):
+        return False
+    study.enqueue_trial(default_params(cfg, space), user_attrs={DEFAULT_ATTR: True})
+    return True
+
+
+def plan_batch(study, space: list[ParamSpec], base: PPOConfig, k: int) -> list[Planned]:
+    """Ask `k` trials and build each one's config; a config the checks refuse is told FAIL
+    at once (its error kept as a user attr) and comes back with `cfg=None`."""
+    planned = []
+    for number, params in ask_batch(study, space, k):
+        attrs = study._storage.get_trial(_trial_id(study, number)).user_attrs
+        try:
+            cfg, error = apply(base, params), ""
+        except ConfigError as e:
+            cfg, error = None, f"{type(e).__name__}: {e}"
+        planned.append(Planned(number, params, cfg, error, bool(attrs.get(DEFAULT_ATTR))))
+    refused = [p for p in planned if p.cfg is None]
+    for p in refused:
+        study._storage.set_trial_user_attr(_trial_id(study, p.number), "error", p.error[:2000])
+    tell_batch(study, [(p.number, "FAIL", []) for p in refused])
+    return planned
+
+
+def result_of(state: Optional[RoundState], cfg: PPOConfig, sweep: SweepConfig
+              ) -> tuple[str, list[float], dict[str, Any]]:
+    """(Optuna state, values, metrics) of a trial from its final state (None: it raised)."""
+    if state is None:
+        return "FAIL", [], {"error": "the trial's pipeline raised (see its execution)"}
+    m = convergence_metrics(state.step_history, state.val_history, P.stop_reason(cfg, state),
+                            cfg.algorithm.kl_ctrl.target_kl, sweep.score_threshold)
+    metrics = asdict(m)
+    if is_pruned(state.stop_reason):
+        return "PRUNED", [], metrics
+    if len(sweep.study.directions) == 1:
+        values = [objective(m, sweep.kl_budget_weight, sweep.divergence_penalty)]
+    else:
+        values = list(pareto_objectives(m))
+    if not all(math.isfinite(v) for v in values):
+        return "FAIL", [], {**metrics, "error": f"non-finite objective {values}"}
+    return "COMPLETE", values, metrics
+
+
+def tell(study, numbers: list[int], cfgs: list[PPOConfig], states: list[Optional[RoundState]],
+         sweep: SweepConfig) -> list[tuple[int, str, list[float], dict[str, Any]]]:
+    """Tell each trial its result, with its convergence metrics as user attrs; returns
+    (number, state, values, metrics) per trial."""
+    out = []
+    for number, cfg, state in zip(numbers, cfgs, states, strict=True):
+        status, values, metrics = result_of(state, cfg, sweep)
+        trial_id = _trial_id(study, number)
+        if not study._storage.get_trial(trial_id).state.is_finished():
+            for key, value in metrics.items():
+                study._storage.set_trial_user_attr(trial_id, key, value)
+        out.append((number, status, values, metrics))
+    tell_batch(study, [(n, s, v) for n, s, v, _ in out])
+    return out
+
+
+def _trial_id(study, number: int) -> int:
+    return study._storage.get_trial_id_from_study_id_trial_number(study._study_id, number)
+
+
+# ---------------------------------------------------------------------------------
+# MLflow: one parent run per sweep launch, a nested run per trial
+# ---------------------------------------------------------------------------------
+
+
+def open_parent_run(cfg: PPOConfig, sweep: SweepConfig, storage: str) -> str:
+    """The sweep's MLflow run (its settings as params) when `trainer.logger` lists mlflow; else ""."""
+    if "mlflow" not in cfg.trainer.logger:
+        return ""
+    from rlhf.tracking import MLflowSink
+
+    t = cfg.trainer
+    sink = MLflowSink(t.mlflow_tracking_uri, t.project_name, run_name=f"sweep {sweep.study.name}",
+                      output_dir=t.output_dir, tags={"sweep.study": sweep.study.name})
+    sink.log_params({"sweep.study": sweep.study.name, "sweep.storage": _hide_password(storage),
+                     "sweep.n_trials": sweep.n_trials, "sweep.batch_size": sweep.batch_size,
+                     "sweep.sampler": sweep.study.sampler, "sweep.pruner": sweep.study.pruner,
+                     "sweep.directions": sweep.study.directions,
+                     "sweep.space": [asdict(p) for p in sweep.space]})
+    return sink.run_id
+
+
+def open_trial_run(p: Planned, parent_run_id: str, study_name: str) -> str:
+    """A nested MLflow run for a trial (its whole config as params), or "" without a parent."""
+    if not parent_run_id or p.cfg is None:
+        return ""
+    from rlhf.tracking import make_sink
+
+    sink = make_sink(["mlflow"], p.cfg, run_name=f"{study_name} trial {p.number}", parent_run_id=parent_run_id)
+    sink.set_tags({"sweep.study": study_name, "sweep.trial": p.number, "sweep.default": p.is_default,
+                   "sweep.params": json.dumps(p.params, sort_keys=True)})
+    return sink.run_id
+
+
+def close_trial_run(cfg: PPOConfig, run_id: str, status: str, values: list[float], metrics: dict[str, Any]) -> None:
+    """The trial's result into its nested run, which ends FINISHED, KILLED (pruned) or FAILED."""
+    if not run_id:
+        return
+    from rlhf.tracking import MLflowSink
+
+    t = cfg.trainer
+    sink = MLflowSink(t.mlflow_tracking_uri, run_id=run_id, output_dir=t.output_dir)
+    numbers = {f"sweep/{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+    numbers.update({f"sweep/objective_{i}": v for i, v in enumerate(values)})
+    if numbers:
+        sink.log_metrics(numbers, step=int(metrics.get("steps", 0)))
+    sink.set_tags({"sweep.state": status, **({"sweep.error": metrics["error"]} if "error" in metrics else {})})
+    sink.close({"COMPLETE": "FINISHED", "PRUNED": "KILLED"}.get(status, "FAILED"))
+
+
+def _hide_password(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)

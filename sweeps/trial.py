@@ -1,0 +1,49 @@
+"""A trial as the PPO pipeline sees it: where to report its per-round val scores, and the
+pruning check its `decide` step runs after every round.
+
+Without a `TrialContext` the pipeline runs unchanged. With one, each round that measured a
+val score reports it to the study (step = rounds done), and when the study's pruner says
+so the run stops like any early stop, with a reason that starts with `PRUNED`; the sweep
+then records the trial PRUNED.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from rlhf.state import RoundState, Verdict
+from sweeps.study import StudySpec, TrialReporter
+
+PRUNED = "pruned"  # the stop reason of a pruned trial starts with this
+
+
+@dataclass(frozen=True)
+class TrialContext:
+    """The study, its resolved storage URL and the trial's number: plain values, so a
+    trial's tasks in other processes or pods reach the same study."""
+
+    study: StudySpec = field(default_factory=StudySpec)
+    storage: str = ""  # the resolved storage URL (`sweeps.study.storage_url`)
+    number: int = -1  # the Optuna trial number
+
+
+def is_pruned(stop_reason: str) -> bool:
+    return stop_reason.startswith(PRUNED)
+
+
+def check_pruning(ctx: TrialContext, state: RoundState, verdict: Verdict, rounds_left: bool
+                  ) -> tuple[RoundState, Verdict]:
+    """Report the val score measured in this round to the study and stop the run when the
+    pruner says so and rounds are left (a run that finished its rounds keeps its result).
+    An earlier stop reason wins; a round without a fresh val score reports nothing."""
+    fresh = state.val_history[-1] if state.val_history else None
+    if fresh is None or state.round == 0 or int(fresh["round"]) != state.round:
+        return state, verdict
+    with TrialReporter(ctx.storage, ctx.study, ctx.number) as reporter:
+        prune = reporter.report(float(fresh["score"]), state.round)
+    if not prune or not rounds_left or verdict.stop:
+        return state, verdict
+    reason = (f"{PRUNED} by the sweep's {ctx.study.pruner} pruner after round {state.round} "
+              f"(val score {fresh['score']:.4f})")
+    return dataclasses.replace(state, stop_reason=reason), Verdict(stop=True, reason=reason)

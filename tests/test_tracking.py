@@ -10,6 +10,7 @@ import torch
 from rlhf.config import PPOConfig, flatten, from_dict
 from rlhf.tracking import (
     PARAM_VALUE_MAX,
+    BufferedMLflowSink,
     ConsoleSink,
     MLflowSink,
     MultiSink,
@@ -204,7 +205,7 @@ def test_make_sink_builds_console_and_mlflow_from_config(tmp_path, monkeypatch):
     sink = make_sink(cfg.trainer.logger, cfg)
     assert isinstance(sink, MultiSink)
     console, mlflow_sink = sink.sinks
-    assert isinstance(console, ConsoleSink) and isinstance(mlflow_sink, MLflowSink)
+    assert isinstance(console, ConsoleSink) and isinstance(mlflow_sink, BufferedMLflowSink)
     sink.log_metrics({"critic/score/mean": 1.0}, 0)
     sink.close()
 

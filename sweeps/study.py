@@ -10,7 +10,8 @@ A worker that dies mid-trial (a killed pod, a lost node) cannot tell its trial F
 `TrialReporter` records a heartbeat every `heartbeat_interval` seconds while the trial
 runs; `ask_batch` first fails every RUNNING trial whose heartbeat is older than
 `grace_period`, and `RetryFailedTrialCallback` queues a retry with the same params
-(up to `max_retry` times), which the next ask picks up.
+(up to `max_retry` times), which the next ask picks up. A reporter opened only around a
+round's report beats once per round, so `grace_period` must exceed a round's duration.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class StudySpec:
     n_startup_trials: int = 2  # pruner: trials before pruning starts
     n_warmup_steps: int = 1  # pruner: rounds reported before a trial can be pruned
     heartbeat_interval: int = 60  # seconds between a running trial's heartbeats
-    grace_period: int = 180  # a RUNNING trial without a heartbeat this long is failed (worker died)
+    grace_period: int = 1800  # a RUNNING trial without a heartbeat this long is failed; > a round's duration
     max_retry: int = 1  # retries of a trial failed that way (same params)
 
 

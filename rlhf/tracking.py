@@ -253,7 +253,8 @@ class BufferedMLflowSink:
     the same output directory). Metrics keep their original timestamp, so a record sent
     twice (a request that reached the server but whose answer was lost) is stored once;
     params and tags are idempotent. HTTP requests run with short retries and timeout
-    (`MLFLOW_HTTP_REQUEST_MAX_RETRIES`, `MLFLOW_HTTP_REQUEST_TIMEOUT`, unless set)."""
+    (`MLFLOW_HTTP_REQUEST_MAX_RETRIES`, `MLFLOW_HTTP_REQUEST_TIMEOUT`, unless set).
+    Sinks of one process may share a buffer directory; processes should not (rank 0 logs)."""
 
     PENDING = "pending.jsonl"
     RUNS = "runs.json"  # buffer key -> what is needed to create or resume its MLflow run
@@ -268,18 +269,16 @@ class BufferedMLflowSink:
         self.retry_s = retry_s
         self.key = uuid.uuid4().hex
         self._runs = self._read_runs()
-        self._runs[self.key] = {"tracking_uri": default_tracking_uri(tracking_uri, output_dir),
-                                "experiment": experiment, "run_name": run_name, "run_id": run_id or "",
-                                "parent_run_id": parent_run_id, "tags": {k: str(v) for k, v in (tags or {}).items()},
-                                "output_dir": output_dir}
-        self._write_runs()
+        self._set_run(self.key, {"tracking_uri": default_tracking_uri(tracking_uri, output_dir),
+                                 "experiment": experiment, "run_name": run_name, "run_id": run_id or "",
+                                 "parent_run_id": parent_run_id,
+                                 "tags": {k: str(v) for k, v in (tags or {}).items()}, "output_dir": output_dir})
         self._sinks: dict[str, MLflowSink] = {}
         self._next_try = 0.0
         self._down_since: float | None = None
         self._closed = False
-        self._flush(force=True)  # an earlier run's records first, then this run is created
-        if not os.path.exists(self.pending_path):
-            self._connect(self.key)
+        self._flush(force=True)  # what an earlier run left, then this run is created
+        self._connect(self.key)
 
     @property
     def run_id(self) -> str:
@@ -320,7 +319,7 @@ class BufferedMLflowSink:
     # -- sending and buffering --------------------------------------------------------------
     def _submit(self, rec: dict) -> None:
         rec["run"] = self.key
-        if not os.path.exists(self.pending_path) and self._down_since is None:
+        if self._down_since is None and not any(r.get("run") == self.key for r in self._pending()):
             try:
                 self._apply(rec)
                 return
@@ -330,24 +329,32 @@ class BufferedMLflowSink:
         self._flush()
 
     def _flush(self, force: bool = False) -> None:
+        """Send the buffer, oldest first; a run whose record fails keeps it and all its later
+        ones (in order), without holding back other runs' records (another server, say)."""
         if not force and time.monotonic() < self._next_try:
             return
         records = self._pending()
-        sent = 0
-        try:
-            for rec in records:
-                self._apply(rec)
-                sent += 1
-        except Exception as e:
-            self._rewrite(records[sent:])
-            self._went_down(e)
-            return
-        if records:
-            self._rewrite([])
-            _log.warning("MLflow at %s is reachable again: sent %d buffered records from %s",
-                         self._runs[self.key]["tracking_uri"], sent, self.pending_path)
-        self._down_since = None
-        self._forget_finished_runs()
+        kept, failed = [], {}
+        for rec in records:
+            if rec.get("run") not in failed:
+                try:
+                    self._apply(rec)
+                    continue
+                except Exception as e:
+                    failed[rec.get("run")] = e
+            kept.append(rec)
+        if len(kept) < len(records):
+            self._rewrite(kept)
+            _log.warning("MLflow: sent %d buffered records from %s%s", len(records) - len(kept), self.pending_path,
+                         f"; {len(kept)} kept for a later attempt" if kept else "")
+        for key, e in failed.items():
+            if key != self.key:
+                _log.warning("buffered MLflow records of an earlier run (%s) could not be sent: %s",
+                             self._runs.get(key, {}).get("tracking_uri", "?"), str(e).splitlines()[0][:300])
+        if self.key in failed:
+            self._went_down(failed[self.key])
+        else:
+            self._down_since = None
 
     def _went_down(self, e: Exception) -> None:
         if self._down_since is None:
@@ -368,20 +375,22 @@ class BufferedMLflowSink:
     def _sink(self, key: str) -> "MLflowSink":
         """The `MLflowSink` of buffer key `key`: its run resumed, or created (and remembered)."""
         if key not in self._sinks:
-            spec = self._runs[key]
+            spec = dict(self._runs[key])
             with _short_http_requests():
                 sink = MLflowSink(spec["tracking_uri"], spec["experiment"], spec["run_name"],
                                   run_id=spec["run_id"] or None, parent_run_id=spec["parent_run_id"],
                                   tags=spec["tags"], output_dir=spec["output_dir"])
             if not spec["run_id"]:
                 spec["run_id"] = sink.run_id
-                self._write_runs()
+                self._set_run(key, spec)
             self._sinks[key] = sink
         return self._sinks[key]
 
     def _apply(self, rec: dict) -> None:
         from mlflow.entities import Metric
 
+        if rec["run"] not in self._runs:
+            self._runs = {**self._read_runs(), **self._runs}  # a run opened by another sink meanwhile
         if rec["run"] not in self._runs:
             _log.warning("dropping a buffered MLflow record of an unknown run (%s)", rec.get("op"))
             return
@@ -404,6 +413,7 @@ class BufferedMLflowSink:
                     _log.warning("buffered MLflow artifact %s no longer exists; not sent", rec["path"])
             elif op == "close":
                 sink.close(rec["status"])
+                self._drop_run(rec["run"])
 
     # -- the files ----------------------------------------------------------------------------
     def _pending(self) -> list[dict]:
@@ -444,14 +454,18 @@ class BufferedMLflowSink:
             _log.warning("ignoring unreadable %s (%s)", path, e)
             return {}
 
-    def _write_runs(self) -> None:
-        _write_atomic(os.path.join(self.dir, self.RUNS), json.dumps(self._runs, indent=1))
+    def _set_run(self, key: str, spec: dict) -> None:
+        """Record run `key` in memory and on disk (merged with what other sinks wrote there)."""
+        self._runs[key] = spec
+        on_disk = self._read_runs()
+        on_disk[key] = spec
+        _write_atomic(os.path.join(self.dir, self.RUNS), json.dumps(on_disk, indent=1))
 
-    def _forget_finished_runs(self) -> None:
-        """Drop earlier runs' entries once nothing of theirs is buffered."""
-        if any(k != self.key for k in self._runs):
-            self._runs = {self.key: self._runs[self.key]}
-            self._write_runs()
+    def _drop_run(self, key: str) -> None:
+        """Forget a run on disk once it is closed (its records are all sent)."""
+        on_disk = self._read_runs()
+        if on_disk.pop(key, None) is not None:
+            _write_atomic(os.path.join(self.dir, self.RUNS), json.dumps(on_disk, indent=1))
 
 
 _HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}

@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 # DeepSpeed JIT-builds one CPU communication op on first use; keep it between runs.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup setup-vllm run run-local test test-fast sft clean
+.PHONY: setup setup-vllm run run-local sweep test test-fast sft clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -38,6 +38,11 @@ run: setup
 ## The same rounds in one process, without Flyte; ARGS are key=value overrides.
 run-local: setup
 	$(BIN)/python -m rlhf.train $(ARGS)
+
+## Optuna sweep of kl_coef, clip_ratio and entropy_coeff as a Flyte workflow (embedded default:
+## 8 trials, 2 at a time, tiny task, short schedule; study and best config under outputs/sweeps/).
+sweep: setup
+	$(BIN)/pyflyte run sweeps/sweep.py ppo_sweep $(ARGS)
 
 ## Install what the tests need, then run them.
 test: setup setup-vllm

@@ -47,7 +47,7 @@ SHORT_SCHEDULE = [
     "trainer.logger=[mlflow]", "trainer.seed=0",
     "data.synthetic.n_train=4000", "data.synthetic.n_val=200", "data.synthetic.n_sft=1500",
     "data.train_batch_size=64", "rollout.n=4", "actor.ppo_mini_batch_size=16",
-    "model.sft.max_steps=1000", "model.sft.max_seconds=120", "model.sft.stop_at_accuracy=0.4",
+    "model.sft.max_steps=600", "model.sft.max_seconds=300", "model.sft.stop_at_accuracy=0.4",
 ]
 SWEEP_CFG = load_config(None, SHORT_SCHEDULE)
 DEFAULT_SWEEP = SweepConfig(study=StudySpec(name="ppo-sweep-tiny"), n_trials=8, batch_size=2)

@@ -28,8 +28,8 @@ def _no_flyte_cache(monkeypatch):
     monkeypatch.setenv("FLYTE_LOCAL_CACHE_ENABLED", "false")
 
 
-def tiny_cfg(tmp_path, *extra: str) -> PPOConfig:
-    return load_config(None, TINY + ["trainer.total_rounds=2", "trainer.val_before_train=false",
+def tiny_cfg(tmp_path, rounds: int, *extra: str) -> PPOConfig:
+    return load_config(None, TINY + [f"trainer.total_rounds={rounds}", "trainer.val_before_train=false",
                                      f"trainer.output_dir={tmp_path}", *extra])
 
 
@@ -48,16 +48,16 @@ class DeckPaths(logging.Handler):
 
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory, mlflow_server):
-    """One sweep of 4 trials, 2 at a time (the first queued trial cannot run), then a relaunch
-    of the same study adding 1 trial."""
+    """One sweep of 3 one-round trials, 2 at a time (the first queued trial cannot run), then a
+    relaunch of the same study adding 1 trial."""
     from flytekit.loggers import logger
 
     from sweeps.sweep import ppo_sweep
 
     tmp = tmp_path_factory.mktemp("sweep")
-    cfg = tiny_cfg(tmp, "trainer.logger=[mlflow]", f"trainer.mlflow_tracking_uri={mlflow_server}")
+    cfg = tiny_cfg(tmp, 1, "trainer.logger=[mlflow]", f"trainer.mlflow_tracking_uri={mlflow_server}")
     spec = StudySpec(name="e2e", sampler="random", seed=0)
-    sweep = SweepConfig(study=spec, n_trials=4, batch_size=2, space=default_space() + [MINI_BATCH])
+    sweep = SweepConfig(study=spec, n_trials=3, batch_size=2, space=default_space() + [MINI_BATCH])
     storage = storage_url(spec, str(tmp))
     open_study(spec, storage).enqueue_trial({MINI_BATCH.name: 3})
     decks, level = DeckPaths(), logger.level
@@ -75,25 +75,29 @@ def swept(tmp_path_factory, mlflow_server):
             "decks": decks.paths, "uri": mlflow_server}
 
 
+@pytest.mark.slow
 def test_sweep_records_every_trial_and_a_raising_trial_fails(swept):
     trials = swept["after_first"]
-    assert [t.number for t in trials] == [0, 1, 2, 3]
+    assert [t.number for t in trials] == [0, 1, 2]
     bad, default, *rest = trials
     assert bad.params[MINI_BATCH.name] == 3 and bad.state == FAIL
     assert default.user_attrs[DEFAULT_ATTR] and default.state == COMPLETE
     assert default.params["actor.clip_ratio"] == PPOConfig().actor.clip_ratio
     # No pruning yet: the pruner waits for two complete trials, and only the default one was.
-    assert [t.state for t in rest] == [COMPLETE, COMPLETE]
+    assert [t.state for t in rest] == [COMPLETE]
     for t in [default, *rest]:
-        assert t.user_attrs["steps"] == 2 and t.user_attrs["stop_reason"] == "total_rounds reached"
-        assert set(t.intermediate_values) == {1, 2}  # one val score per round, reported by `decide`
+        assert t.user_attrs["steps"] == 1 and t.user_attrs["stop_reason"] == "total_rounds reached"
+        assert list(t.intermediate_values) == [1]  # the round's val score, reported by `decide`
         assert t.values[0] == pytest.approx(t.user_attrs["final_val"] - 0.5 * t.user_attrs["kl_budget"])
     s = swept["first"].summary
-    assert s.launched == 4 and s.states == {"FAIL": 1, "COMPLETE": 3}
-    assert s.default_trial == 1 and s.best_trial in (1, 2, 3)
-    assert s.best_val_score >= s.default_val_score - 0.5 * max(t.user_attrs["kl_budget"] for t in trials[1:])
+    assert s.launched == 3 and s.states == {"FAIL": 1, "COMPLETE": 2}
+    assert s.default_trial == 1 and s.best_trial in (1, 2)
+    best = trials[s.best_trial]
+    assert s.best_values == best.values and best.values[0] >= default.values[0]
+    assert (s.best_val_score, s.default_val_score) == (best.user_attrs["final_val"], default.user_attrs["final_val"])
 
 
+@pytest.mark.slow
 def test_second_batch_is_asked_after_the_first_is_told(swept):
     first_batch, second_batch = swept["after_first"][:2], swept["after_first"][2:]
     told = max(t.datetime_complete for t in first_batch)
@@ -101,14 +105,16 @@ def test_second_batch_is_asked_after_the_first_is_told(swept):
         [(t.number, t.datetime_start, t.datetime_complete) for t in swept["after_first"]])
 
 
+@pytest.mark.slow
 def test_relaunch_with_the_same_name_continues_the_study(swept):
     trials = swept["study"].get_trials()
-    assert len(trials) == 5 and [t.number for t in trials] == list(range(5))
+    assert len(trials) == 4 and [t.number for t in trials] == list(range(4))
     assert sum(bool(t.user_attrs.get(DEFAULT_ATTR)) for t in trials) == 1, "the default trial ran twice"
-    assert trials[4].state in (COMPLETE, PRUNED)
-    assert swept["second"].summary.n_trials == 5 and swept["second"].summary.launched == 1
+    assert trials[3].state == COMPLETE  # a last round is never pruned
+    assert swept["second"].summary.n_trials == 4 and swept["second"].summary.launched == 1
 
 
+@pytest.mark.slow
 def test_best_config_file_loads_with_the_best_params(swept):
     from flytekit.interaction.click_types import JsonParamType
 
@@ -125,6 +131,7 @@ def test_best_config_file_loads_with_the_best_params(swept):
     assert JsonParamType(PPOConfig).convert(path, None, None) == loaded
 
 
+@pytest.mark.slow
 def test_one_parent_run_per_launch_and_a_nested_run_per_trial(swept):
     from mlflow.tracking import MlflowClient
 
@@ -136,28 +143,31 @@ def test_one_parent_run_per_launch_and_a_nested_run_per_trial(swept):
     first_parent = min(parents, key=lambda r: r.info.start_time)
     nested = {int(r.data.tags["sweep.trial"]): r for r in runs
               if r.data.tags.get("mlflow.parentRunId") == first_parent.info.run_id}
-    assert sorted(nested) == [0, 1, 2, 3]
+    assert sorted(nested) == [0, 1, 2]
     assert nested[0].info.status == "FAILED" and nested[0].data.tags["sweep.state"] == "FAIL"
-    for number in (1, 2, 3):
+    for number in (1, 2):
         run, trial = nested[number], swept["study"].trials[number]
         assert run.info.status == "FINISHED" and run.data.tags["sweep.state"] == "COMPLETE"
         assert float(run.data.params["actor.clip_ratio"]) == trial.params["actor.clip_ratio"]
         assert run.data.metrics["sweep/objective_0"] == pytest.approx(trial.values[0])
         assert "actor/pg_loss" in run.data.metrics and "val/accuracy" in run.data.metrics
-    assert first_parent.data.metrics["sweep/n_trials"] == 4
+    assert first_parent.data.metrics["sweep/n_trials"] == 3
     assert "sweep/best_config.yaml" in [a.path for a in client.list_artifacts(first_parent.info.run_id, "sweep")]
 
 
+@pytest.mark.slow
 def test_decks_show_the_optuna_plots(swept):
     sweep_decks = [p for p in swept["decks"] if "optimization history" in open(p, encoding="utf-8").read()]
     assert len(sweep_decks) == 2, swept["decks"]
     html = open(sweep_decks[-1], encoding="utf-8").read()
-    for title in ("parallel coordinates", "parameter importances"):
-        assert title in html
-    assert "Optimization History Plot" in html and "Hyperparameter Importances" in html
-    assert html.count("Plotly.newPlot") >= 3 and "plotly.js v" in html  # library inlined: works offline
+    assert "parallel coordinates" in html and "Optimization History Plot" in html
+    assert html.count("Plotly.newPlot") >= 2 and "plotly.js v" in html  # library inlined: works offline
+    # Importances only once complete trials differ in value (the tiny model often scores 0 everywhere).
+    complete = [t for t in swept["study"].trials if t.state == COMPLETE]
+    assert ("Hyperparameter Importances" in html) == (len({t.values[0] for t in complete}) > 1)
 
 
+@pytest.mark.slow
 def test_a_trial_with_bad_values_is_pruned_by_decide_before_its_last_round(tmp_path):
     """Two finished trials reported 0.9 after each round; the sweep's next trial (the tiny
     model, val score near 0) is stopped by its `decide` step after round 1 of 2."""
@@ -171,7 +181,7 @@ def test_a_trial_with_bad_values_is_pruned_by_decide_before_its_last_round(tmp_p
             for step in (1, 2):
                 assert not rep.report(0.9, step)
         tell_batch(study, [(number, "COMPLETE", [0.9])])
-    out = ppo_sweep(cfg=tiny_cfg(tmp_path), sweep=SweepConfig(study=spec, n_trials=1, batch_size=1))
+    out = ppo_sweep(cfg=tiny_cfg(tmp_path, 2), sweep=SweepConfig(study=spec, n_trials=1, batch_size=1))
     trial = optuna.load_study(study_name="prune", storage=storage).trials[2]
     assert trial.state == PRUNED, (trial.state, trial.user_attrs)
     assert list(trial.intermediate_values) == [1] and trial.intermediate_values[1] < 0.9

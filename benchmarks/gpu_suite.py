@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -33,8 +34,8 @@ def lane(cmds: list[tuple[list[str], int]], gpus: str, log: Path, deadline: floa
     for cmd, timeout in cmds:
         cmd = cmd + TINY
         script.append(f"left=$(( {int(deadline)} - $(date +%s) )); t=$(( left < {timeout} ? left : {timeout} )); "
-                      f"if [ $t -gt 20 ]; then echo '>>> {' '.join(cmd)}'; timeout -k 10 $t {' '.join(cmd)}; "
-                      f"echo \"<<< rc=$?\"; fi")
+                      f"if [ $t -gt 20 ]; then echo {shlex.quote('>>> ' + shlex.join(cmd))}; "
+                      f"timeout -k 10 $t {shlex.join(cmd)}; echo \"<<< rc=$?\"; fi")
     env = {**os.environ, **ENV, "CUDA_VISIBLE_DEVICES": gpus}
     if TINY:
         env.pop("DS_ACCELERATOR")
@@ -93,6 +94,66 @@ def final(out: Path, budget: float) -> None:
     multi(out, budget - (time.time() - t0))
 
 
+def diagnose(out: Path, budget: float) -> None:
+    """GPU 0: one update step of the packed path under the profiler, the plain-PyTorch
+    control, and the engine settings the trace may point at; GPU 1: the largest model that
+    runs a round with ZeRO-3, and with ZeRO-3 + CPU offload."""
+    import torch
+
+    deadline = time.time() + budget
+    ub = [PY, "benchmarks/update_throughput.py", "--warmup", "1", "--steps", "1"]
+    fp32_acc = '{"data_types": {"grad_accum_dtype": "fp32"}}'
+    gpu0 = [(ub + ["--variants", "packed", "--profile-dir", str(out / "profile"),
+                   "--out", str(out / "update_profile_h200.json")], 200),
+            (ub + ["--variants", "raw_bf16,raw_master", "--out", str(out / "update_raw_h200.json")], 150),
+            (ub + ["--variants", "packed", "--zero", "1", "--out", str(out / "update_zero1_h200.json")], 100),
+            (ub + ["--variants", "packed", "--zero", "1", "--ds-json", fp32_acc,
+                   "--out", str(out / "update_zero1_fp32acc_h200.json")], 100),
+            (ub + ["--variants", "packed", "--max-tokens", "32768", "--out", str(out / "update_32k_h200.json")], 100)]
+    gpu1 = [([PY, "benchmarks/largest_model.py", "--timeout", "220", "--budget", str(int(budget - 150)),
+              "--out", str(out / "largest_model_h200.json")], 10**4)]
+    if torch.cuda.device_count() >= 2:
+        procs = [lane(gpu0, "0", out / "gpu0.log", deadline), lane(gpu1, "1", out / "gpu1.log", deadline)]
+    else:
+        procs = [lane(gpu0 + gpu1, "0", out / "gpu0.log", deadline)]
+    for p in procs:
+        p.wait()
+
+
+def fixed(out: Path, budget: float) -> None:
+    """After the trace: GPU 0 measures ours (packed, profiled; GRPO; padded) and TRL side by
+    side; GPU 1 attributes the gain (DeepSpeed's own bf16 wrapper; ZeRO-1 with float32
+    accumulation) and tries a larger token budget with activation checkpointing; then both
+    GPUs run the update on the same global batch with ZeRO-2 and with ZeRO-0 (MasterAdamW,
+    gradients all-reduced once per optimizer step)."""
+    t0 = time.time()
+    ub = [PY, "benchmarks/update_throughput.py"]
+    fp32_acc = '{"data_types": {"grad_accum_dtype": "fp32"}}'
+    gpu0 = [(ub + ["--variants", "packed", "--profile-dir", str(out / "profile"),
+                   "--out", str(out / "update_1gpu_packed_h200.json")], 150),
+            (ub + ["--variants", "grpo_packed,trl", "--timeout", "120",
+                   "--out", str(out / "update_1gpu_h200.json")], 240),
+            (ub + ["--variants", "padded", "--warmup", "1", "--steps", "1",
+                   "--out", str(out / "update_1gpu_padded_h200.json")], 120)]
+    one = ["--warmup", "1", "--steps", "1"]
+    gpu1 = [(ub + one + ["--variants", "packed", "--ds-bf16-wrapper",
+                         "--out", str(out / "update_1gpu_ds_bf16_wrapper_h200.json")], 90),
+            (ub + one + ["--variants", "packed", "--zero", "1", "--ds-json", fp32_acc,
+                         "--out", str(out / "update_1gpu_zero1_fp32acc_h200.json")], 90),
+            (ub + one + ["--variants", "packed_ckpt", "--max-tokens", "32768",
+                         "--out", str(out / "update_1gpu_ckpt_32k_h200.json")], 100)]
+    phase_a = t0 + 0.62 * budget
+    procs = [lane(gpu0, "0", out / "gpu0.log", phase_a), lane(gpu1, "1", out / "gpu1.log", phase_a)]
+    for p in procs:
+        p.wait()
+    deadline = t0 + budget
+    tr = [PY, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-endpoint=127.0.0.1:29500",
+          "benchmarks/update_throughput.py", "--warmup", "1", "--steps", "1"]
+    lane([(tr + ["--variant", "packed", "--zero", "2", "--out", str(out / "update_2gpu_zero2_h200.json")], 110),
+          (tr + ["--variant", "packed", "--zero", "0", "--out", str(out / "update_2gpu_zero0_h200.json")], 110)],
+         "0,1", out / "multi.log", deadline).wait()
+
+
 def report(out: Path) -> None:
     """One line per results file: the summary, or each variant's tokens/s, MFU and error."""
     import json
@@ -117,7 +178,7 @@ def report(out: Path) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("what", choices=("single", "multi", "final", "report"))
+    p.add_argument("what", choices=("single", "multi", "final", "diagnose", "fixed", "report"))
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_suite"))
     p.add_argument("--budget", type=float, default=560.0, help="seconds until every lane stops")
     p.add_argument("--tiny", action="store_true", help="CPU-sized commands, to check the suite itself")
@@ -127,7 +188,7 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if a.what == "report":
         return report(out)
-    {"single": single, "multi": multi, "final": final}[a.what](out, a.budget)
+    {"single": single, "multi": multi, "final": final, "diagnose": diagnose, "fixed": fixed}[a.what](out, a.budget)
     report(out)
 
 

@@ -10,6 +10,8 @@ Variants (ours: `rlhf.trainer.ppo.PPOTrainer` stage by stage, exactly the calls 
   packed_ckpt  the same with activation checkpointing
   grpo_packed  no critic, GRPO advantages, KL loss (the work of TRL's GRPO step)
   check        log-probs and gradients of the fast paths against the model's own forward
+  raw_bf16     control: the actor update in plain PyTorch, no DeepSpeed (update_diagnostics)
+  raw_master   the same with float32 master weights
   trl          TRL's GRPOTrainer step on the same model and batch: reference and old
                log-probs, then compute_loss + backward + optimizer step per micro-batch
 
@@ -77,6 +79,12 @@ def run_ours(a, variant: str) -> dict:
     init_process_group(device)
     rank, world = D.init_distributed(device)
     cfg = load_config(None, base_overrides(a, world) + OURS[variant])
+    if a.ds_json:
+        merge_ds_config(json.loads(a.ds_json))
+    if a.ds_bf16_wrapper:  # DeepSpeed's own bf16 optimizer wrapper at stage 0, for comparison
+        import rlhf.trainer.engines as E
+
+        E.OWN_MASTER_WEIGHTS = False
     sizes = derive_sizes(cfg, world)
     dtype = torch.float32 if a.tiny else torch.bfloat16
     actor, critic, ref = G.build_models(a.model, device, dtype, with_critic=cfg.algorithm.adv_estimator == "gae")
@@ -101,37 +109,83 @@ def run_ours(a, variant: str) -> dict:
 
     steps = []
     for it in range(a.warmup + a.steps):
-        timer = G.StageTimer(device)
-        with timer("total"):
-            with timer("old_log_prob"):
-                b = trainer.behaviour_log_probs(buf)
-            with timer("ref"):
-                b = trainer.reference_log_probs(b)
-            with timer("values"):
-                b = trainer.critic_values(b)
-            with timer("adv"), torch.device(device):  # scalars it builds with torch.tensor go to the device
-                b, m = trainer.advantages(b)
-            with timer("update_critic"):
-                m.update(trainer.update_critic(b))
-            with timer("update_actor"):
-                m.update(trainer.update_actor(b))
+        timer, m = one_step(trainer, buf, device)
         if it >= a.warmup:
             steps.append({"times_s": timer.times, "peak_gb": timer.peak_gb, "alloc_retries": timer.alloc_retries,
                           "pg_loss": m.get("actor/pg_loss"), "vf_loss": m.get("critic/vf_loss"),
                           "skipped": trainer.skipped_steps})
         if rank == 0:
             print(f"[{variant}] step {it}: " + " ".join(f"{k}={v:.2f}s" for k, v in timer.times.items()), flush=True)
+    profile = profile_step(a, variant, trainer, buf, device, rank) if a.profile_dir else None
     tot = D.all_reduce_sum(torch.tensor([tokens_local, resp_tokens_local], dtype=torch.float64)).tolist()
     out = summarize(steps, tokens=tot[0], resp_tokens=tot[1], world=world, n_actor=n_actor, n_critic=n_critic,
                     n_embed=n_embed, peak=0 if a.tiny else G.PEAK_BF16_FLOPS)
     out.update(variant=variant, world_size=world, config_overrides=base_overrides(a, world) + OURS[variant],
                sizes=sizes.__dict__, n_params_actor=n_actor, n_params_critic=n_critic,
-               lengths=G.length_stats(p_lens, r_lens))
+               lengths=G.length_stats(p_lens, r_lens), ds_config_extra=json.loads(a.ds_json or "{}"),
+               optimizer=type(trainer.actor.optimizer).__name__,
+               profile=profile)
     if device.type == "cuda":
         out["peak_gb_process"] = torch.cuda.max_memory_reserved(device) / 2**30
         peaks = D.all_gather_cat(torch.tensor([out["peak_gb_process"]], device=device)).tolist()
         out["peak_gb_reserved_per_rank"] = peaks
     return out if rank == 0 else {}
+
+
+def one_step(trainer, buf, device):
+    """The stages of one PPO step, exactly the calls of `PPOTrainer.round`, each timed."""
+    timer = G.StageTimer(device)
+    with timer("total"):
+        with timer("old_log_prob"):
+            b = trainer.behaviour_log_probs(buf)
+        with timer("ref"):
+            b = trainer.reference_log_probs(b)
+        with timer("values"):
+            b = trainer.critic_values(b)
+        with timer("adv"), torch.device(device):  # scalars it builds with torch.tensor go to the device
+            b, m = trainer.advantages(b)
+        with timer("update_critic"):
+            m.update(trainer.update_critic(b))
+        with timer("update_actor"):
+            m.update(trainer.update_actor(b))
+    return timer, m
+
+
+def profile_step(a, variant: str, trainer, buf, device, rank: int) -> dict:
+    """One more step under the `trainer.profile_steps` machinery (rlhf.profiling), its trace
+    read back into stage busy fractions and top kernels (trace_summary)."""
+    import trace_summary
+
+    from rlhf.profiling import StepProfiler
+    from rlhf.trainer import dist as D
+
+    rows = min(len(buf), a.profile_prompts * a.n // D.world()[1]) if a.profile_prompts else len(buf)
+    prof = StepProfiler([1], Path(a.profile_dir) / variant, device, rank)
+    with prof.update(1, 1) as out:
+        timer, _ = one_step(trainer, buf.select(slice(0, rows)), device)
+    name = "trace.json.gz" if rank == 0 else f"trace.rank{rank}.json.gz"
+    summary = trace_summary.summarize(trace_summary.load(out / name))
+    text = trace_summary.format_summary(summary)
+    (out / "summary.txt").write_text(text)
+    if rank == 0:
+        print(text, flush=True)
+    return {"dir": str(out), "profiled_rows": rows, "profiled_step_times_s": timer.times, **summary,
+            "ranges_table": (out / "ranges.txt").read_text()}
+
+
+def merge_ds_config(extra: dict) -> None:
+    """Merge `extra` (nested keys) into every DeepSpeed config the trainer builds."""
+    import rlhf.trainer.engines as E
+
+    base = E.ds_config
+
+    def merged(*args, **kw):
+        out = base(*args, **kw)
+        for k, v in extra.items():
+            out[k] = {**out[k], **v} if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        return out
+
+    E.ds_config = merged
 
 
 def init_process_group(device: torch.device) -> None:
@@ -401,6 +455,12 @@ def parse(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=int, default=900, help="seconds per variant process")
     p.add_argument("--override", action="append", default=[], help="extra config key=value for our variants")
+    p.add_argument("--ds-json", default="", help="JSON merged into our engines' DeepSpeed configs")
+    p.add_argument("--ds-bf16-wrapper", action="store_true",
+                   help="bf16 at ZeRO 0 through DeepSpeed's unfused wrapper instead of MasterAdamW")
+    p.add_argument("--profile-dir", default="", help="profile one more step of our variants; traces go here")
+    p.add_argument("--profile-prompts", type=int, default=16,
+                   help="prompts of the profiled step (one mini-batch keeps the trace small); 0 = all")
     p.add_argument("--out", default="benchmarks/results/update_throughput.json")
     a = p.parse_args(argv)
     if a.tiny:
@@ -418,6 +478,10 @@ def run_one(a) -> None:
             res = run_check(a)
         elif a.variant == "attn_check":
             res = run_attn_check(a)
+        elif a.variant.startswith("raw_"):
+            from update_diagnostics import run_raw
+
+            res = run_raw(a, a.variant)
         else:
             res = run_trl(a) if a.variant == "trl" else run_ours(a, a.variant)
     except Exception as e:  # recorded, so that one failed variant does not hide the others

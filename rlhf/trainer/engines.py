@@ -55,15 +55,40 @@ def prepare_module(module: torch.nn.Module, cfg: PPOConfig) -> torch.nn.Module:
     return module
 
 
+OWN_MASTER_WEIGHTS = True  # bf16 at ZeRO stage 0: MasterAdamW instead of DeepSpeed's unfused wrapper
+
+
 def build_engine(model: torch.nn.Module, ds_cfg: dict):
+    """A DeepSpeed engine for `model`. With bf16 at ZeRO stage 0 the float32 master weights
+    and their AdamW step are `MasterAdamW`'s (fused), given to DeepSpeed as a client optimizer
+    in float32 mode; with one rank the engine skips its (identity) gradient all-reduce."""
     import deepspeed
 
     from rlhf.trainer.dist import drop_stale_deepspeed_groups
 
     drop_stale_deepspeed_groups()
-    engine, _, _, _ = deepspeed.initialize(model=model, config=ds_cfg,
-                                           model_parameters=[p for p in model.parameters() if p.requires_grad])
+    params = [p for p in model.parameters() if p.requires_grad]
+    ds_cfg, optimizer = _client_master_optimizer(ds_cfg, params)
+    engine, _, _, _ = deepspeed.initialize(model=model, config=ds_cfg, optimizer=optimizer,
+                                           model_parameters=None if optimizer is not None else params)
+    if engine.zero_optimization_stage() == 0 and engine.dp_world_size == 1:
+        engine.enable_backward_allreduce = False
     return engine
+
+
+def _client_master_optimizer(ds_cfg: dict, params: list) -> tuple[dict, object]:
+    """(config, None) unchanged, or for bf16 at stage 0 the float32-mode config and a MasterAdamW."""
+    from rlhf.trainer.master_adam import MasterAdamW
+
+    bf16 = ds_cfg.get("bf16", {}).get("enabled", False)
+    if not (OWN_MASTER_WEIGHTS and bf16 and ds_cfg["zero_optimization"]["stage"] == 0):
+        return ds_cfg, None
+    adam = ds_cfg["optimizer"]["params"]
+    opt = MasterAdamW(params, lr=adam["lr"], betas=adam["betas"], eps=adam["eps"],
+                      weight_decay=adam["weight_decay"], max_grad_norm=ds_cfg.get("gradient_clipping", 0.0))
+    cfg = {k: v for k, v in ds_cfg.items() if k != "optimizer"}
+    cfg.update(bf16={"enabled": False}, gradient_clipping=0.0)  # the parameters stay bf16; clipping is the optimizer's
+    return cfg, opt
 
 
 def full_state_dict(engine) -> dict[str, torch.Tensor]:
@@ -74,25 +99,33 @@ def full_state_dict(engine) -> dict[str, torch.Tensor]:
 
 
 class NonFiniteGuard:
-    """Flags a non-finite gradient in any parameter during backward, on every ZeRO stage
-    (the hook sees the gradient before DeepSpeed reduces or partitions it)."""
+    """Flags a non-finite gradient in any parameter during backward where ZeRO 2/3 moves the
+    gradients out of `param.grad` (the hook sees each gradient before DeepSpeed reduces or
+    partitions it). At ZeRO 0/1 it does nothing: the gradient norm `local_grad_norm` takes
+    before the step is non-finite exactly when a gradient is, and a hook per parameter per
+    micro-batch costs host time that starves the GPU in backward."""
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, engine):
+        module = getattr(engine, "module", engine)
         p0 = next(module.parameters())
-        self.flag = torch.zeros((), dtype=torch.bool, device=p0.device)
-        self._handles = [p.register_hook(self._check) for p in module.parameters() if p.requires_grad]
+        self.flag = torch.zeros((), dtype=torch.float32, device=p0.device)
+        watch = not hasattr(engine, "zero_optimization_stage") or engine.zero_optimization_stage() >= 2
+        self._handles = [p.register_hook(self._check) for p in module.parameters() if p.requires_grad and watch]
 
     def _check(self, grad: torch.Tensor) -> torch.Tensor:
-        self.flag |= ~torch.isfinite(grad).all()
+        # max |g| is one fused reduction; it is NaN or inf exactly when some element is
+        self.flag = torch.maximum(self.flag, torch.linalg.vector_norm(grad, float("inf")))
         return grad
 
     def reset(self) -> None:
-        self.flag.zero_()
+        self.flag = torch.zeros_like(self.flag)
 
     def tripped(self) -> bool:
         from rlhf.trainer.dist import all_reduce_max
 
-        return bool(all_reduce_max(self.flag.to(torch.float32)).item() > 0)
+        if not self._handles:
+            return False
+        return bool(all_reduce_max((~torch.isfinite(self.flag)).float()).item() > 0)
 
 
 def local_grad_norm(engine) -> float | None:
@@ -103,7 +136,8 @@ def local_grad_norm(engine) -> float | None:
     grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
     if not grads:
         return 0.0
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+    norms = torch._foreach_norm(grads)  # one fused launch per dtype/device group, float32 accumulation
+    return float(torch.linalg.vector_norm(torch.stack([n.float() for n in norms])))
 
 
 def skip_step(engine) -> None:

@@ -66,12 +66,12 @@ class PPOTrainer:
         actor, critic = prepare_module(actor, cfg), prepare_module(critic, cfg) if critic is not None else None
         self.actor = build_engine(actor.to(device), ds_config(cfg, a.lr, a.weight_decay, a.grad_clip,
                                                               sizes.micro_batch_per_gpu, device))
-        self.actor_guard = NonFiniteGuard(self.actor.module)
+        self.actor_guard = NonFiniteGuard(self.actor)
         self.critic = None
         if critic is not None:
             self.critic = build_engine(critic.to(device), ds_config(cfg, c.lr, c.weight_decay, c.grad_clip,
                                                                     c.ppo_micro_batch_size_per_gpu, device))
-            self.critic_guard = NonFiniteGuard(self.critic.module)
+            self.critic_guard = NonFiniteGuard(self.critic)
         self.ref = ref.to(device).eval() if ref is not None else None
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = algos.make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)

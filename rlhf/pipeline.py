@@ -42,6 +42,12 @@ def rollout_seed(cfg: PPOConfig, round_: int, rank: int = 0) -> int:
     return cfg.trainer.seed * 100003 + round_ * 1009 + rank
 
 
+def update_seed(cfg: PPOConfig, round_: int, rank: int = 0) -> int:
+    """The global torch seed of round `round_`'s update on `rank` (dropout draws from it): a
+    function of the round alone, so a resumed run draws what an uninterrupted one would."""
+    return rollout_seed(cfg, round_, rank) + 7919
+
+
 def should_evaluate(cfg: PPOConfig, rounds_done: int) -> bool:
     """Validate after round `rounds_done` (1-based): every `test_freq` rounds and after the last."""
     return rounds_done % cfg.trainer.test_freq == 0 or rounds_done == cfg.trainer.total_rounds
@@ -256,6 +262,7 @@ def update_from_checkpoint(cfg: PPOConfig, base_model_dir: str, checkpoint_dir: 
     from rlhf.profiling import StepProfiler
 
     profiler = StepProfiler(cfg.trainer.profile_steps, out, device, rank)
+    torch.manual_seed(update_seed(cfg, state.round, rank))
     with profiler.update(state.global_step + 1, cfg.trainer.steps_per_round, sink if rank == 0 else None):
         steps = stages.update(trainer, local, tokenizer.pad_token_id, cfg)
     timing = {"timing_s/update": time.perf_counter() - t}

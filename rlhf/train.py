@@ -107,6 +107,7 @@ class Run:
         scored = stages.score(rollouts, cfg, self.reward_model)
         timer["timing_s/reward"] = _lap(t)
         t = time.perf_counter()
+        torch.manual_seed(P.update_seed(cfg, self.state.round, self.rank))
         with self.profiler.update(self.state.global_step + 1, cfg.trainer.steps_per_round, self.sink):
             steps = stages.update(self.trainer, scored, self.tokenizer.pad_token_id, cfg)
         timer["timing_s/update"] = _lap(t)

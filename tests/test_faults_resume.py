@@ -3,7 +3,9 @@ right after a round checkpoint appears, and one rank of a 2-rank torchrun job mi
 The re-run resumes from the newest complete round checkpoint, loses at most the round in
 flight, and ends with the same weights and KL coefficient as an uninterrupted run with the
 same seed. The kill comes from outside (a watcher on the checkpoint directory), so the
-instant it lands is not chosen by the code under test."""
+instant it lands is not chosen by the code under test. The policy has attention dropout, so
+the update draws from the global RNG: equality needs each round's draws to depend on the
+round alone, not on how many rounds this process has run."""
 
 from __future__ import annotations
 
@@ -26,6 +28,19 @@ ROUNDS = 3
 EXTRA = [f"trainer.total_rounds={ROUNDS}", "trainer.steps_per_round=1", "algorithm.kl_ctrl.type=adaptive",
          "algorithm.kl_ctrl.target_kl=0.001", "algorithm.kl_ctrl.horizon=50", "early_stop.enable=false",
          "trainer.val_before_train=false", "trainer.test_freq=10", "actor.entropy_coeff=0.05", "actor.lr=5e-3"]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> str:
+    """A tiny starting policy whose attention dropout is on while training."""
+    from rlhf.models.default import build_tiny_policy
+
+    path = tmp_path_factory.mktemp("base")
+    model, tok = build_tiny_policy(tiny_cfg(path))
+    model.config.attention_dropout = 0.3
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return f"model.path={path}"
 
 
 def _actor(out: Path) -> dict[str, torch.Tensor]:
@@ -76,7 +91,7 @@ def _summary(out: Path) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
-def test_process_killed_after_a_round_resumes_to_the_same_weights(tmp_path):
+def test_process_killed_after_a_round_resumes_to_the_same_weights(tmp_path, base):
     """The whole training process SIGKILLed as soon as round 1's checkpoint exists (so during
     round 2); the re-run resumes from the newest valid checkpoint and ends equal to an
     uninterrupted run."""
@@ -85,7 +100,7 @@ def test_process_killed_after_a_round_resumes_to_the_same_weights(tmp_path):
     part = tmp_path / "part"
     part.mkdir()
     log = part / "train.log"
-    proc = _start(_cmd(part), log)
+    proc = _start(_cmd(part, base), log)
 
     def kill_after_round_1() -> None:
         _wait_for_checkpoint(part, 1, proc)
@@ -93,13 +108,13 @@ def test_process_killed_after_a_round_resumes_to_the_same_weights(tmp_path):
 
     killer = threading.Thread(target=kill_after_round_1)
     killer.start()
-    full = train(tiny_cfg(tmp_path / "full", *EXTRA))  # the uninterrupted run, meanwhile
+    full = train(tiny_cfg(tmp_path / "full", *EXTRA, base))  # the uninterrupted run, meanwhile
     killer.join()
     assert _finish(proc, log) == -signal.SIGKILL
     done = ckpt.latest_checkpoint(part)
     assert done is not None and ckpt.read_state(done).round < ROUNDS, "the kill landed after the run had ended"
 
-    resumed = train(tiny_cfg(part, *EXTRA))
+    resumed = train(tiny_cfg(part, *EXTRA, base))
     assert resumed["resumed_from"] == str(done)  # the newest complete checkpoint: only the round in flight lost
     assert resumed["global_steps"] == full["global_steps"] == ROUNDS
     assert resumed["kl_coef"] == pytest.approx(full["kl_coef"], rel=1e-9)
@@ -126,14 +141,14 @@ def _worker_pid(agent: int, rank: int, timeout: float = 60) -> int:
 
 
 @pytest.mark.slow
-def test_rank_killed_mid_round_under_torchrun_resumes_to_the_same_weights(tmp_path):
+def test_rank_killed_mid_round_under_torchrun_resumes_to_the_same_weights(tmp_path, base):
     """2 ranks (gloo): rank 1 SIGKILLed as soon as round 1's checkpoint exists; torchrun ends
     the job; the re-launched job resumes and ends equal to an uninterrupted 2-rank job."""
     full, part = tmp_path / "full", tmp_path / "part"
     for d in (full, part):
         d.mkdir()
-    ref = _start(_cmd(full, ranks=2), full / "train.log")  # uninterrupted, side by side
-    job = _start(_cmd(part, ranks=2), part / "train.log")
+    ref = _start(_cmd(full, base, ranks=2), full / "train.log")  # uninterrupted, side by side
+    job = _start(_cmd(part, base, ranks=2), part / "train.log")
     victim = _worker_pid(job.pid, rank=1)
     _wait_for_checkpoint(part, 1, job)
     os.kill(victim, signal.SIGKILL)
@@ -142,7 +157,7 @@ def test_rank_killed_mid_round_under_torchrun_resumes_to_the_same_weights(tmp_pa
     assert done is not None and ckpt.read_state(done).round < ROUNDS, "the kill landed after the run had ended"
     assert _finish(ref, full / "train.log") == 0, (full / "train.log").read_text(errors="replace")[-3000:]
 
-    again = _start(_cmd(part, ranks=2), part / "resume.log")
+    again = _start(_cmd(part, base, ranks=2), part / "resume.log")
     assert _finish(again, part / "resume.log") == 0, (part / "resume.log").read_text(errors="replace")[-3000:]
     a, b = _summary(full), _summary(part)
     assert b["resumed_from"] == str(done) and b["world_size"] == 2

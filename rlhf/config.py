@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Optional, get_args, get_origin, get_type_hints
@@ -32,7 +33,7 @@ class ConfigError(ValueError):
 class SyntheticDataConfig:
     """The embedded arithmetic task used when no dataset files are given."""
 
-    n_sft: int = 1500  # labeled problems the SFT warm-start sees
+    n_sft: int = 300  # labeled problems the SFT warm-start sees (small: PPO's prompts need no labels)
     n_train: int = 20000  # unlabeled prompts PPO draws from (ground truth only for the verifier)
     n_val: int = 500  # held-out problems for greedy validation
     digits: int = 2  # digits per operand
@@ -89,7 +90,7 @@ class SFTConfig:
     grad_clip: float = 1.0  # max gradient norm
     log_every: int = 50  # print a progress line every this many steps
     num_threads: int = 1  # torch CPU threads during SFT (results depend on it); 0 => torch's default
-    stop_at_accuracy: float = 0.4  # > 0: stop once greedy accuracy on the probe reaches this (room for RL)
+    stop_at_accuracy: float = 0.9  # > 0: stop once greedy accuracy on the probe (training problems) reaches this
     probe_size: int = 256  # training problems the accuracy probe decodes
     probe_every: int = 50  # steps between probes
 
@@ -182,7 +183,7 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    total_rounds: int = 30  # rounds to run (fewer on early stop)
+    total_rounds: int = 60  # rounds to run (fewer on early stop)
     steps_per_round: int = 1  # PPO steps per rollout buffer (1 => on-policy)
     test_freq: int = 1  # evaluate every k rounds
     val_before_train: bool = True  # evaluate the starting policy
@@ -307,13 +308,20 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             except ValueError:
                 pass
     elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+        number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
         if isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            try:
+                number = float(number)
+            except OverflowError:
+                raise ConfigError(f"config key '{key}' is too large for a float: {value!r}") from None
+            if math.isnan(number):
+                raise ConfigError(f"config key '{key}' is NaN; give a number")
+            return number
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -395,9 +403,33 @@ def flatten(cfg: Any) -> dict[str, Any]:
     return out
 
 
+MAX_CONFIG_VALUES = 10_000  # a config has ~150 keys; more values means repeated YAML aliases
+MAX_CONFIG_DEPTH = 16  # sections nest 3 deep
+
+
+def _plain(value: Any, key: str, seen: tuple[int, ...], count: list[int]) -> Any:
+    """A copy made of dicts, lists and plain scalars; anything else (dates, sets, bytes, aliases
+    that refer to themselves or expand without bound) raises `ConfigError` naming the key."""
+    count[0] += 1
+    if count[0] > MAX_CONFIG_VALUES or len(seen) > MAX_CONFIG_DEPTH:
+        raise ConfigError(f"config data at '{key}' is nested too deeply or repeats YAML aliases beyond "
+                          f"{MAX_CONFIG_VALUES} values; write the values out")
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if not isinstance(value, (dict, list, tuple)):
+        raise ConfigError(f"config key '{key}' holds a {type(value).__name__} ({str(value)[:40]}); "
+                          "write it as a quoted string or a number")
+    if id(value) in seen:
+        raise ConfigError(f"config key '{key}' refers to itself (a recursive YAML alias)")
+    inner = seen + (id(value),)
+    if isinstance(value, dict):
+        return {str(k): _plain(v, f"{key}.{k}" if key else str(k), inner, count) for k, v in value.items()}
+    return [_plain(v, key, inner, count) for v in value]
+
+
 def from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> PPOConfig:
     """Build and validate a config from a nested mapping plus dotted overrides."""
-    tree = json.loads(json.dumps(data or {}))  # deep copy of plain data
+    tree = _plain(data or {}, "", (), [0])  # a deep copy of plain data
     for text in overrides:
         k, v = parse_override(text)
         _set_dotted(tree, k, v)
@@ -415,10 +447,14 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
                 text = f.read()
         except OSError as e:
             raise ConfigError(f"cannot read config file '{path}': {e.strerror}") from e
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file '{path}' is not UTF-8 text ({e}); save it as UTF-8") from e
         try:
             data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
         except (yaml.YAMLError, json.JSONDecodeError) as e:
             raise ConfigError(f"config file '{path}' is not valid YAML/JSON: {e}") from e
+        except RecursionError as e:
+            raise ConfigError(f"config file '{path}' nests lists or mappings too deeply to parse") from e
         if data is None:
             data = {}
         if not isinstance(data, dict):
@@ -448,6 +484,7 @@ def replace(cfg: PPOConfig, overrides: list[str] | tuple[str, ...]) -> PPOConfig
 
 def validate(cfg: PPOConfig) -> None:
     flat = flatten(cfg)
+    _refuse_credentials(flat)
     for key, choices in _CHOICES.items():
         if flat[key] not in choices:
             raise ConfigError(f"config key '{key}' is {flat[key]!r}; choose one of {', '.join(choices)}")
@@ -476,6 +513,21 @@ def validate(cfg: PPOConfig) -> None:
         raise ConfigError("rollout.gpu_memory_utilization must be in (0, 1]")
     if cfg.algorithm.adv_estimator == "grpo" and cfg.rollout.n < 2:
         raise ConfigError("algorithm.adv_estimator=grpo needs rollout.n >= 2 (a group per prompt)")
+
+
+def _refuse_credentials(flat: dict[str, Any]) -> None:
+    """The config travels with the run (Flyte inputs and decks, MLflow params, checkpoints), so a
+    URI in it may not carry a password; credentials come from the environment or Flyte Secrets."""
+    from rlhf.tracking import URI_PASSWORD, redact
+
+    for key, value in flat.items():
+        if isinstance(value, str) and URI_PASSWORD.search(value):
+            raise ConfigError(
+                f"config key '{key}' holds a password in its URI ({redact(value)}); the config is stored with the "
+                "run (Flyte inputs, MLflow params, checkpoints), so remove it and pass credentials through the "
+                "environment or a Flyte Secret: MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD or "
+                "MLFLOW_TRACKING_TOKEN for MLflow, the storage's own variables (e.g. AWS_ACCESS_KEY_ID/"
+                "AWS_SECRET_ACCESS_KEY) for data and models")
 
 
 @dataclass(frozen=True)

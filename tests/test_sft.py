@@ -109,6 +109,19 @@ def test_sft_stops_at_epochs_and_at_max_seconds(tok):
     assert by_time["sft/steps"] == 1
 
 
+def test_sft_stops_when_should_stop_says_so(tok):
+    prompts, responses = pairs(10)
+    calls = []
+
+    def stop_after_four() -> bool:
+        calls.append(1)
+        return len(calls) >= 4
+
+    m = sft_warm_start(small_model(tok), tok, prompts, responses, SFTConfig(epochs=100, batch_size=4, max_seconds=600),
+                       seed=0, progress=False, should_stop=stop_after_four)
+    assert m["sft/steps"] == 4 and len(calls) == 4
+
+
 def test_sft_stops_once_greedy_accuracy_on_the_probe_is_reached(tok):
     prompts = [f"{a}+1=" for a in range(16)]
     responses = ["#### 7"] * 16  # one answer for all: learned within a few dozen steps

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -116,12 +117,14 @@ def probe_accuracy(model, tokenizer, examples: list[tuple[list[int], list[int]]]
 
 
 def sft_warm_start(model, tokenizer, prompts: list[str], responses: list[str], cfg: SFTConfig, seed: int = 0,
-                   progress: bool = True, log_every: int | None = None) -> dict[str, float]:
+                   progress: bool = True, log_every: int | None = None,
+                   should_stop: Callable[[], bool] | None = None) -> dict[str, float]:
     """Fine-tune `model` in place on (prompt, response) pairs.
 
     Stops at the first of `max_steps`, `epochs`, `max_seconds`, or (if `stop_at_accuracy` > 0)
     greedy exact-match accuracy >= `stop_at_accuracy` on the first `probe_size` training
-    pairs, checked every `probe_every` steps. Returns `{"sft/steps", "sft/epochs", "sft/loss"
+    pairs, checked every `probe_every` steps, or `should_stop()` returning True (checked
+    after every step; e.g. a cancellation or a wall-clock budget set elsewhere). Returns `{"sft/steps", "sft/epochs", "sft/loss"
     (mean of the last `log_every` steps), "sft/seconds", "sft/tokens"}` and, when probing,
     `"sft/probe_accuracy"`. Prints a line every `log_every` steps.
     """
@@ -134,13 +137,14 @@ def sft_warm_start(model, tokenizer, prompts: list[str], responses: list[str], c
         raise ValueError("sft_warm_start: no examples; pass at least one (prompt, response) pair")
     device = next(model.parameters()).device
     with cpu_threads(cfg.num_threads, device):
-        metrics = _train(model, tokenizer, examples, cfg, seed, progress, log_every or cfg.log_every, device)
+        metrics = _train(model, tokenizer, examples, cfg, seed, progress, log_every or cfg.log_every, device,
+                         should_stop)
     model.eval()
     return metrics
 
 
 def _train(model, tokenizer, examples, cfg: SFTConfig, seed: int, progress: bool, log_every: int,
-           device: torch.device) -> dict[str, float]:
+           device: torch.device, should_stop: Callable[[], bool] | None = None) -> dict[str, float]:
     total = planned_steps(len(examples), cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     probe = examples[: cfg.probe_size] if cfg.stop_at_accuracy > 0 else []
@@ -161,7 +165,7 @@ def _train(model, tokenizer, examples, cfg: SFTConfig, seed: int, progress: bool
                       f"{metrics['sft/probe_accuracy']:.3f} (stop at {cfg.stop_at_accuracy})", flush=True)
             if metrics["sft/probe_accuracy"] >= cfg.stop_at_accuracy:
                 break
-        if step >= total or elapsed >= cfg.max_seconds:
+        if step >= total or elapsed >= cfg.max_seconds or (should_stop is not None and should_stop()):
             break
     return {"sft/steps": step, "sft/epochs": epoch + 1, "sft/loss": sum(recent) / len(recent),
             "sft/seconds": time.perf_counter() - start, "sft/tokens": tokens, **metrics}

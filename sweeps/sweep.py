@@ -111,7 +111,7 @@ def ppo_trial(trial: TrialContext, cfg: PPOConfig, run_id: str, train: Prompts, 
     return rounds.state
 
 
-ppo_trial_lp = LaunchPlan.get_or_create(ppo_trial, name="ppo_trial")
+ppo_trial_lp = LaunchPlan.get_or_create(ppo_trial)  # the default launch plan: what the array node maps over
 
 
 @task(requests=CPU_SMALL, container_image=CPU_IMAGE)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
@@ -145,11 +146,7 @@ def open_parent_run(cfg: PPOConfig, sweep: SweepConfig, storage: str) -> str:
     """The sweep's MLflow run (its settings as params) when `trainer.logger` lists mlflow; else ""."""
     if "mlflow" not in cfg.trainer.logger:
         return ""
-    from rlhf.tracking import MLflowSink
-
-    t = cfg.trainer
-    sink = MLflowSink(t.mlflow_tracking_uri, t.project_name, run_name=f"sweep {sweep.study.name}",
-                      output_dir=t.output_dir, tags={"sweep.study": sweep.study.name})
+    sink = mlflow_sink(cfg, run_name=f"sweep {sweep.study.name}", tags={"sweep.study": sweep.study.name})
     sink.log_params({"sweep.study": sweep.study.name, "sweep.storage": _hide_password(storage),
                      "sweep.n_trials": sweep.n_trials, "sweep.batch_size": sweep.batch_size,
                      "sweep.sampler": sweep.study.sampler, "sweep.pruner": sweep.study.pruner,
@@ -174,16 +171,23 @@ def close_trial_run(cfg: PPOConfig, run_id: str, status: str, values: list[float
     """The trial's result into its nested run, which ends FINISHED, KILLED (pruned) or FAILED."""
     if not run_id:
         return
-    from rlhf.tracking import MLflowSink
-
-    t = cfg.trainer
-    sink = MLflowSink(t.mlflow_tracking_uri, run_id=run_id, output_dir=t.output_dir)
+    sink = mlflow_sink(cfg, run_id=run_id)
     numbers = {f"sweep/{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
     numbers.update({f"sweep/objective_{i}": v for i, v in enumerate(values)})
     if numbers:
         sink.log_metrics(numbers, step=int(metrics.get("steps", 0)))
     sink.set_tags({"sweep.state": status, **({"sweep.error": metrics["error"]} if "error" in metrics else {})})
     sink.close({"COMPLETE": "FINISHED", "PRUNED": "KILLED"}.get(status, "FAILED"))
+
+
+def mlflow_sink(cfg: PPOConfig, **run):
+    """The engine's MLflow sink for a sweep run (`run_id` resumes one): buffered under
+    `trainer.output_dir` while the server does not answer, so the sweep never waits on it."""
+    from rlhf.tracking import BufferedMLflowSink
+
+    t = cfg.trainer
+    return BufferedMLflowSink(os.path.join(t.output_dir, "mlflow_buffer"), t.mlflow_tracking_uri, t.project_name,
+                              output_dir=t.output_dir, **run)
 
 
 def _hide_password(url: str) -> str:

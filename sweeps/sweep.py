@@ -31,7 +31,7 @@ from containers.images import CPU_IMAGE
 from rlhf.config import PPOConfig, load_config
 from rlhf.state import RoundState
 from sweeps import report as R
-from sweeps.steps import (SweepConfig, check_sweep, close_trial_run, enqueue_default, open_parent_run,
+from sweeps.steps import (SweepConfig, check_sweep, close_trial_run, enqueue_default, mlflow_sink, open_parent_run,
                           open_trial_run, plan_batch, tell)
 from sweeps.study import StudySpec, open_study, storage_url
 from sweeps.trial import TrialContext
@@ -186,9 +186,7 @@ def _or(value, fallback: float) -> float:
 def _close_parent(cfg: PPOConfig, run: SweepRun, data: dict, out_dir: Path) -> None:
     if not run.parent_run_id:
         return
-    from rlhf.tracking import MLflowSink
-
-    sink = MLflowSink(cfg.trainer.mlflow_tracking_uri, run_id=run.parent_run_id, output_dir=cfg.trainer.output_dir)
+    sink = mlflow_sink(cfg, run_id=run.parent_run_id)
     numbers = {"sweep/n_trials": data["n_trials"], "sweep/wall_s": data["wall_s"]}
     for key in ("best_val_score", "default_val_score"):
         if data.get(key) is not None:

@@ -91,6 +91,7 @@ def _summary(out: Path) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
+@pytest.mark.slow
 def test_process_killed_after_a_round_resumes_to_the_same_weights(tmp_path, base):
     """The whole training process SIGKILLed as soon as round 1's checkpoint exists (so during
     round 2); the re-run resumes from the newest valid checkpoint and ends equal to an

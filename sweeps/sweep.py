@@ -50,7 +50,10 @@ SHORT_SCHEDULE = [
     "model.sft.max_steps=600", "model.sft.max_seconds=300", "model.sft.stop_at_accuracy=0.4",
 ]
 SWEEP_CFG = load_config(None, SHORT_SCHEDULE)
-DEFAULT_SWEEP = SweepConfig(study=StudySpec(name="ppo-sweep-tiny"), n_trials=8, batch_size=2)
+# Pruning starts once two batches completed, from round 2: val scores after one round differ
+# by less than the val set's noise.
+DEFAULT_SWEEP = SweepConfig(study=StudySpec(name="ppo-sweep-tiny", n_startup_trials=4, n_warmup_steps=2), n_trials=8,
+                            batch_size=2)
 # A trial that raises fails its array-node slot only; the node (and the sweep) fails when
 # no trial of a batch succeeds (Flyte needs at least one).
 MIN_SUCCESS_RATIO = 1e-6

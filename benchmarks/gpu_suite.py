@@ -154,6 +154,31 @@ def fixed(out: Path, budget: float) -> None:
          "0,1", out / "multi.log", deadline).wait()
 
 
+def epochs1(out: Path, budget: float) -> None:
+    """The same work as TRL's step (one pass over the batch, `--epochs 1`): first both GPUs
+    (ZeRO-2, and ZeRO-0 with MasterAdamW), then GPU 0 measures ours (packed, profiled; GRPO;
+    padded) and TRL side by side while GPU 1 runs the 7B model with ZeRO-3 + CPU offload."""
+    t0 = time.time()
+    tr = [PY, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-endpoint=127.0.0.1:29500",
+          "benchmarks/update_throughput.py", "--warmup", "1", "--steps", "2"]
+    lane([(tr + ["--variant", "packed", "--zero", "2", "--out", str(out / "update_2gpu_zero2_h200.json")], 90),
+          (tr + ["--variant", "packed", "--zero", "0", "--out", str(out / "update_2gpu_zero0_h200.json")], 90)],
+         "0,1", out / "multi.log", t0 + 200).wait()
+    deadline = t0 + budget
+    ub = [PY, "benchmarks/update_throughput.py"]
+    gpu0 = [(ub + ["--variants", "packed", "--profile-dir", str(out / "profile"),
+                   "--out", str(out / "update_1gpu_packed_h200.json")], 120),
+            (ub + ["--variants", "grpo_packed,trl", "--timeout", "100",
+                   "--out", str(out / "update_1gpu_h200.json")], 200),
+            (ub + ["--variants", "padded", "--warmup", "1", "--steps", "1",
+                   "--out", str(out / "update_1gpu_padded_h200.json")], 100)]
+    gpu1 = [([PY, "benchmarks/largest_model.py", "--modes", "zero3_offload", "--sizes", "7b", "--timeout", "280",
+              "--out", str(out / "largest_model_offload_h200.json")], 10**4)]
+    procs = [lane(gpu0, "0", out / "gpu0.log", deadline), lane(gpu1, "1", out / "gpu1.log", deadline)]
+    for p in procs:
+        p.wait()
+
+
 def report(out: Path) -> None:
     """One line per results file: the summary, or each variant's tokens/s, MFU and error."""
     import json
@@ -178,7 +203,7 @@ def report(out: Path) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("what", choices=("single", "multi", "final", "diagnose", "fixed", "report"))
+    p.add_argument("what", choices=("single", "multi", "final", "diagnose", "fixed", "epochs1", "report"))
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_suite"))
     p.add_argument("--budget", type=float, default=560.0, help="seconds until every lane stops")
     p.add_argument("--tiny", action="store_true", help="CPU-sized commands, to check the suite itself")
@@ -188,7 +213,7 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if a.what == "report":
         return report(out)
-    {"single": single, "multi": multi, "final": final, "diagnose": diagnose, "fixed": fixed}[a.what](out, a.budget)
+    {"single": single, "multi": multi, "final": final, "diagnose": diagnose, "fixed": fixed, "epochs1": epochs1}[a.what](out, a.budget)
     report(out)
 
 

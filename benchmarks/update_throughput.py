@@ -56,6 +56,7 @@ def base_overrides(a, world: int) -> list[str]:
         f"data.max_response_length={a.max_response}", f"actor.ppo_mini_batch_size={a.mini}",
         f"actor.ppo_micro_batch_size_per_gpu={a.micro}", f"critic.ppo_micro_batch_size_per_gpu={a.micro}",
         f"actor.ppo_max_token_len_per_gpu={a.max_tokens}", "model.dtype=bfloat16",
+        f"actor.ppo_epochs={a.epochs}", f"critic.ppo_epochs={a.epochs}",
         f"deepspeed.bf16={'false' if a.tiny else 'true'}", f"deepspeed.zero_stage={a.zero}",
         "trainer.logger=[none]", f"trainer.n_gpus_per_node={world}", "algorithm.kl_ctrl.kl_coef=0.001",
         "actor.clip_ratio=0.2", "actor.lr=1e-6", "critic.lr=1e-5",
@@ -119,7 +120,7 @@ def run_ours(a, variant: str) -> dict:
     profile = profile_step(a, variant, trainer, buf, device, rank) if a.profile_dir else None
     tot = D.all_reduce_sum(torch.tensor([tokens_local, resp_tokens_local], dtype=torch.float64)).tolist()
     out = summarize(steps, tokens=tot[0], resp_tokens=tot[1], world=world, n_actor=n_actor, n_critic=n_critic,
-                    n_embed=n_embed, peak=0 if a.tiny else G.PEAK_BF16_FLOPS)
+                    n_embed=n_embed, peak=0 if a.tiny else G.PEAK_BF16_FLOPS, epochs=a.epochs)
     out.update(variant=variant, world_size=world, config_overrides=base_overrides(a, world) + OURS[variant],
                sizes=sizes.__dict__, n_params_actor=n_actor, n_params_critic=n_critic,
                lengths=G.length_stats(p_lens, r_lens), ds_config_extra=json.loads(a.ds_json or "{}"),
@@ -291,9 +292,10 @@ def run_attn_check(a) -> dict:
 
 
 def summarize(steps: list[dict], tokens: float, resp_tokens: float, world: int, n_actor: int, n_critic: int,
-              n_embed: int, peak: float) -> dict:
-    """Median stage times over timed steps; tokens/s and MFU (6 N T for a trained model,
-    2 N T for a forward-only pass; N the parameters that multiply per token)."""
+              n_embed: int, peak: float, epochs: int = 1) -> dict:
+    """Median stage times over timed steps; tokens/s and MFU (6 N T per pass over the batch for
+    a trained model, `epochs` passes; 2 N T for a forward-only pass; N the parameters that
+    multiply per token)."""
     import statistics
 
     keys = steps[0]["times_s"].keys()
@@ -307,12 +309,13 @@ def summarize(steps: list[dict], tokens: float, resp_tokens: float, world: int, 
     if peak:
         n_critic_mm = max(n_critic - n_embed, 0)  # the critic's embedding is a lookup, it has no LM head
         flops = {
-            "update_actor": 6 * n_actor * tokens, "old_log_prob": 2 * n_actor * tokens, "ref": 2 * n_actor * tokens,
-            "values": 2 * n_critic_mm * tokens if n_critic else 0, "update_critic": 6 * n_critic_mm * tokens,
+            "update_actor": 6 * n_actor * tokens * epochs, "old_log_prob": 2 * n_actor * tokens,
+            "ref": 2 * n_actor * tokens, "values": 2 * n_critic_mm * tokens if n_critic else 0,
+            "update_critic": 6 * n_critic_mm * tokens * epochs,
         }
         out["mfu_actor"] = flops["update_actor"] / t["update_actor"] / world / peak
         # the LM head only over response positions, as the fused path computes it
-        needed = 6 * ((n_actor - n_embed) * tokens + n_embed * resp_tokens)
+        needed = 6 * ((n_actor - n_embed) * tokens + n_embed * resp_tokens) * epochs
         out["mfu_actor_needed_flops"] = needed / t["update_actor"] / world / peak
         if n_critic and t.get("update_critic", 0) > 0:
             out["mfu_critic"] = flops["update_critic"] / t["update_critic"] / world / peak
@@ -405,7 +408,7 @@ def run_trl(a) -> dict:
                trl_args={k: getattr(args, k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
                                                        "steps_per_generation", "beta", "loss_type", "bf16",
                                                        "gradient_checkpointing", "optim", "max_grad_norm")},
-               padded_tokens_per_step=float(mask.numel()), n_params_actor=n_actor,
+               padded_tokens_per_step=float(mask.numel()), n_params_actor=n_actor, epochs=1,
                optimizer=type(getattr(optimizer, "optimizer", optimizer)).__name__)
     if device.type == "cuda":
         out["peak_gb_process"] = torch.cuda.max_memory_reserved(device) / 2**30
@@ -450,6 +453,8 @@ def parse(argv=None):
     p.add_argument("--micro", type=int, default=8, help="micro-batch rows of the padded paths and of TRL")
     p.add_argument("--max-tokens", type=int, default=16384, help="actor.ppo_max_token_len_per_gpu")
     p.add_argument("--zero", type=int, default=0)
+    p.add_argument("--epochs", type=int, default=1,
+                   help="actor/critic ppo_epochs: passes over each step's batch (TRL's GRPO step and verl: 1)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)

@@ -183,9 +183,14 @@ def read_state(path: Path):
 def restore(trainer, path: Path, state=None):
     """Load the DeepSpeed engine state (weights and optimizer) of checkpoint `path` into
     `trainer`, then the round state (`state`, or the one saved there) into its KL controller
-    and skip counter. Returns that state."""
+    and skip counter. Returns that state. Engine files are read weights-only (no pickled code)."""
+    from rlhf.trainer.safe_checkpoint import restrict_loading
+
     path = Path(path)
     state = state if state is not None else read_state(path)
+    for engine in (trainer.actor, trainer.critic):
+        if engine is not None:
+            restrict_loading(engine)
     trainer.actor.load_checkpoint(str(path / ENGINE_DIR / "actor"), tag=ENGINE_TAG, load_module_strict=True,
                                   load_lr_scheduler_states=False)
     if trainer.critic is not None:

@@ -80,9 +80,28 @@ def mlflow_key(key: str) -> str:
     return re.sub(r"[^/\w.\- :]", "_", key)[:250]
 
 
+# Environment variables that hold credentials: their values are never logged or stored.
+SECRET_ENV_VARS = ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_PASSWORD", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                   "AZURE_STORAGE_KEY", "AZURE_STORAGE_SAS_TOKEN", "AZURE_CLIENT_SECRET", "HF_TOKEN", "WANDB_API_KEY",
+                   "DATABRICKS_TOKEN")
+URI_PASSWORD = re.compile(r"(?P<head>[A-Za-z][\w+.-]*://[^/@\s:]*):(?P<password>[^/@\s]+)@")
+
+
+def redact(text: str) -> str:
+    """`text` with URI passwords (`scheme://user:PASSWORD@host`) and the values of the
+    credential variables in `SECRET_ENV_VARS` replaced by `***`."""
+    text = URI_PASSWORD.sub(r"\g<head>:***@", str(text))
+    for name in SECRET_ENV_VARS:
+        secret = os.environ.get(name, "")
+        if len(secret) >= 6:  # shorter values would blank out ordinary text
+            text = text.replace(secret, "***")
+    return text
+
+
 def param_value(value: Any) -> str:
-    """A param value as MLflow stores it: str, lists/dicts as JSON, cut to MLflow's length limit."""
-    text = json.dumps(value) if isinstance(value, (list, tuple, dict)) else str(value)
+    """A param value as MLflow stores it: str, lists/dicts as JSON, credentials redacted, cut to
+    MLflow's length limit."""
+    text = redact(json.dumps(value) if isinstance(value, (list, tuple, dict)) else str(value))
     return text if len(text) <= PARAM_VALUE_MAX else text[:PARAM_VALUE_MAX - 3] + "..."
 
 
@@ -231,14 +250,17 @@ class MLflowSink:
     def set_tags(self, tags: dict[str, Any]) -> None:
         from mlflow.entities import RunTag
 
-        batch = [RunTag(mlflow_key(k), str(v)[:TAG_VALUE_MAX]) for k, v in tags.items()]
+        batch = [RunTag(mlflow_key(k), redact(str(v))[:TAG_VALUE_MAX]) for k, v in tags.items()]
         for chunk in _chunks(batch, PARAMS_PER_BATCH):
             self.client.log_batch(self.run_id, tags=chunk)
 
     def close(self, status: str = "FINISHED") -> None:
-        """End the run ("FINISHED", "FAILED" or "KILLED"); later calls do nothing."""
+        """End the run ("FINISHED", "FAILED" or "KILLED"); later calls do nothing. MLflow prints a
+        link to the run, built from the tracking URI: not when that URI carries a password."""
         if not self._closed:
-            self.client.set_terminated(self.run_id, status=status)
+            quiet = {"MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"} if URI_PASSWORD.search(self.tracking_uri) else {}
+            with _environment(quiet):
+                self.client.set_terminated(self.run_id, status=status)
             self._closed = True
 
 
@@ -269,7 +291,9 @@ class BufferedMLflowSink:
         self.retry_s = retry_s
         self.key = uuid.uuid4().hex
         self._runs = self._read_runs()
-        self._set_run(self.key, {"tracking_uri": default_tracking_uri(tracking_uri, output_dir),
+        # The URI as given ("" => resolved from the environment when sending): a URI from
+        # $MLFLOW_TRACKING_URI may carry credentials, which must not be written here.
+        self._set_run(self.key, {"tracking_uri": tracking_uri,
                                  "experiment": experiment, "run_name": run_name, "run_id": run_id or "",
                                  "parent_run_id": parent_run_id,
                                  "tags": {k: str(v) for k, v in (tags or {}).items()}, "output_dir": output_dir})
@@ -301,7 +325,7 @@ class BufferedMLflowSink:
         self._submit({"op": "artifact", "path": os.path.abspath(path), "artifact_path": artifact_path})
 
     def set_tags(self, tags: dict[str, Any]) -> None:
-        self._submit({"op": "tags", "tags": {k: str(v) for k, v in tags.items()}})
+        self._submit({"op": "tags", "tags": {k: redact(str(v)) for k, v in tags.items()}})
 
     def close(self, status: str = "FINISHED") -> None:
         """End the run; a final attempt sends what is buffered, the rest waits for the next run."""
@@ -313,7 +337,7 @@ class BufferedMLflowSink:
         left = len(self._pending())
         if left:
             _log.warning("MLflow at %s still unreachable at the end of the run: %d records kept in %s; the "
-                         "next run with the same output directory sends them", self._runs[self.key]["tracking_uri"],
+                         "next run with the same output directory sends them", self._where(self.key),
                          left, self.pending_path)
 
     # -- sending and buffering --------------------------------------------------------------
@@ -350,7 +374,7 @@ class BufferedMLflowSink:
         for key, e in failed.items():
             if key != self.key:
                 _log.warning("buffered MLflow records of an earlier run (%s) could not be sent: %s",
-                             self._runs.get(key, {}).get("tracking_uri", "?"), str(e).splitlines()[0][:300])
+                             self._where(key), redact(str(e).splitlines()[0][:300]))
         if self.key in failed:
             self._went_down(failed[self.key])
         else:
@@ -360,10 +384,15 @@ class BufferedMLflowSink:
         if self._down_since is None:
             self._down_since = time.monotonic()
             _log.warning("MLflow at %s is unreachable (%s: %s); training goes on and metrics are buffered in %s "
-                         "until it answers again (retried every %.0f s)", self._runs[self.key]["tracking_uri"],
-                         type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "", self.pending_path,
+                         "until it answers again (retried every %.0f s)", self._where(self.key),
+                         type(e).__name__, redact(str(e).splitlines()[0][:300]) if str(e) else "", self.pending_path,
                          self.retry_s)
         self._next_try = time.monotonic() + self.retry_s
+
+    def _where(self, key: str) -> str:
+        """The tracking URI of buffer key `key`, for messages (credentials redacted)."""
+        spec = self._runs.get(key)
+        return redact(default_tracking_uri(spec["tracking_uri"], spec["output_dir"])) if spec else "?"
 
     def _connect(self, key: str) -> "MLflowSink | None":
         try:
@@ -483,6 +512,24 @@ class _short_http_requests:
     def __exit__(self, *exc) -> None:
         for k in self.added:
             os.environ.pop(k, None)
+
+
+class _environment:
+    """Environment variables set for the duration of a `with` block (then restored)."""
+
+    def __init__(self, values: dict[str, str]):
+        self.values = values
+
+    def __enter__(self) -> None:
+        self.before = {k: os.environ.get(k) for k in self.values}
+        os.environ.update(self.values)
+
+    def __exit__(self, *exc) -> None:
+        for k, v in self.before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _write_atomic(path: str, text: str) -> None:

@@ -13,7 +13,7 @@ from typing import Iterator
 
 import flytekitplugins.pandera  # noqa: F401  (registers the pandera DataFrame type)
 import torch.distributed as dist
-from flytekit import Resources, current_context
+from flytekit import Resources, Secret, current_context
 from flytekit.deck import DeckField
 from flytekit.exceptions.user import FlyteRecoverableException
 from flytekit.extras.accelerators import H100
@@ -34,6 +34,13 @@ DECK = "training"  # the deck with the training curves
 # Decks a task with `enable_deck` shows after its own (the first one opens by default);
 # the source-code and dependency decks would cost ~0.7 s per task, every round.
 DECK_FIELDS = (DeckField.INPUT, DeckField.OUTPUT)
+# Tasks that talk to MLflow get its token from the Flyte secret `mlflow/tracking_token` as
+# $MLFLOW_TRACKING_TOKEN (which MLflow reads): never a task input, so it is not stored with the
+# execution, shown in decks or logged as a param. A tracking server without a token needs no
+# secret: set this to [] (or create the secret with any value). Other credentials (object
+# store keys) come from the pod's environment or service account in the same way.
+TRACKING_SECRETS = [Secret(group="mlflow", key="tracking_token", env_var="MLFLOW_TRACKING_TOKEN",
+                           mount_requirement=Secret.MountType.ENV_VAR)]
 
 
 def gpu_resources(n_gpus: int) -> Resources:

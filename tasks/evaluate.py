@@ -14,7 +14,8 @@ from rlhf.config import PPOConfig
 from rlhf.plots import metrics_html, training_html
 from rlhf.state import RoundState, decide as decide_stop
 from sweeps.trial import TrialContext, check_pruning
-from tasks.base import CPU_SMALL, DECK, DECK_FIELDS, GPU, GPU_RETRIES, Prompts, gpu_resources, retry_transient
+from tasks.base import (CPU_SMALL, DECK, DECK_FIELDS, GPU, GPU_RETRIES, TRACKING_SECRETS, Prompts, gpu_resources,
+                        retry_transient)
 
 Evaluated = NamedTuple("Evaluated", [("state", RoundState), ("score", float)])
 Decided = NamedTuple("Decided", [("state", RoundState), ("stop", bool), ("reason", str)])
@@ -22,7 +23,7 @@ Decided = NamedTuple("Decided", [("state", RoundState), ("stop", bool), ("reason
 
 @task(requests=gpu_resources(1), limits=gpu_resources(1), accelerator=GPU, interruptible=True,
       retries=GPU_RETRIES, container_image=GPU_IMAGE, enable_deck=True,
-      deck_fields=DECK_FIELDS)
+      deck_fields=DECK_FIELDS, secret_requests=TRACKING_SECRETS)
 def evaluate(cfg: PPOConfig, policy: FlyteDirectory, val: Prompts, state: RoundState, run_id: str) -> Evaluated:
     """Greedy validation of `policy`; the score goes into the state (best, patience counter).
     Its deck lists the validation metrics; `decide`'s deck draws the curves."""

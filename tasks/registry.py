@@ -12,7 +12,7 @@ from containers.images import CPU_IMAGE
 from rlhf import model_registry as R
 from rlhf.config import PPOConfig, derive_sizes, replace
 from rlhf.tracking import default_tracking_uri
-from tasks.base import CPU_SMALL, retry_transient, workdir
+from tasks.base import CPU_SMALL, TRACKING_SECRETS, retry_transient, workdir
 
 Champion = NamedTuple("Champion", [("found", bool), ("version", str), ("val_score", float)])
 Promotion = NamedTuple("Promotion", [("promoted", bool), ("reason", str)])
@@ -34,7 +34,7 @@ def retrain_config(cfg: PPOConfig, train_files: str, val_files: str, run_date: d
     return checked
 
 
-@task(requests=CPU_SMALL, container_image=CPU_IMAGE, retries=2)
+@task(requests=CPU_SMALL, container_image=CPU_IMAGE, retries=2, secret_requests=TRACKING_SECRETS)
 def find_champion(cfg: PPOConfig, model_name: str) -> Champion:
     """The version holding the `champion` alias of `model_name`, if any."""
     with retry_transient():
@@ -44,7 +44,7 @@ def find_champion(cfg: PPOConfig, model_name: str) -> Champion:
     return Champion(found=True, version=mv.version, val_score=mv.val_score)
 
 
-@task(requests=CPU_SMALL, container_image=CPU_IMAGE, retries=2)
+@task(requests=CPU_SMALL, container_image=CPU_IMAGE, retries=2, secret_requests=TRACKING_SECRETS)
 def download_champion(cfg: PPOConfig, model_name: str, version: str) -> FlyteDirectory:
     """The policy directory of version `version` (the champion), from the registry's artifact store."""
     uri = registry_uri(cfg)
@@ -52,7 +52,7 @@ def download_champion(cfg: PPOConfig, model_name: str, version: str) -> FlyteDir
         return FlyteDirectory(path=R.download(uri, R.version(uri, model_name, version), workdir("champion")))
 
 
-@task(requests=CPU_SMALL, container_image=CPU_IMAGE, retries=2)
+@task(requests=CPU_SMALL, container_image=CPU_IMAGE, retries=2, secret_requests=TRACKING_SECRETS)
 def register_model(cfg: PPOConfig, model_name: str, policy: FlyteDirectory, val_score: float, run_id: str) -> str:
     """Register `policy` as a new version of `model_name` (logged under MLflow run `run_id`,
     or a new run), tagged with its val score; returns the version."""
@@ -62,7 +62,7 @@ def register_model(cfg: PPOConfig, model_name: str, policy: FlyteDirectory, val_
     return mv.version
 
 
-@task(requests=CPU_SMALL, container_image=CPU_IMAGE, retries=2)
+@task(requests=CPU_SMALL, container_image=CPU_IMAGE, retries=2, secret_requests=TRACKING_SECRETS)
 def promote(cfg: PPOConfig, model_name: str, version: str, champion_found: bool, champion_score: float
             ) -> Promotion:
     """Give `version` the `champion` alias if its val score beats the champion's

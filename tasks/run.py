@@ -13,7 +13,7 @@ from rlhf import pipeline as P
 from rlhf.config import PPOConfig, derive_sizes, replace
 from rlhf.plots import training_html
 from rlhf.state import RoundState
-from tasks.base import CPU_SMALL, DECK, DECK_FIELDS, retry_transient
+from tasks.base import CPU_SMALL, DECK, DECK_FIELDS, TRACKING_SECRETS, retry_transient
 
 Finished = NamedTuple("Finished", [("model", FlyteDirectory), ("state", RoundState)])
 
@@ -27,7 +27,7 @@ def check_config(cfg: PPOConfig) -> PPOConfig:
     return checked
 
 
-@task(requests=CPU_SMALL, container_image=CPU_IMAGE, retries=2)
+@task(requests=CPU_SMALL, container_image=CPU_IMAGE, retries=2, secret_requests=TRACKING_SECRETS)
 def start_tracking(cfg: PPOConfig) -> str:
     """Open the run's MLflow run when `trainer.logger` lists mlflow; returns its id ("" without)."""
     with retry_transient():
@@ -41,7 +41,7 @@ def finish(model: FlyteDirectory, state: RoundState) -> Finished:
 
 
 @task(requests=CPU_SMALL, container_image=CPU_IMAGE, enable_deck=True, deck_fields=DECK_FIELDS,
-      retries=2)
+      retries=2, secret_requests=TRACKING_SECRETS)
 def report(cfg: PPOConfig, state: RoundState, run_id: str) -> pd.DataFrame:
     """The metrics table (one row per step, val scores merged), the final deck with the stop
     reason, and the summary in the tracker (the MLflow run is closed here)."""

@@ -28,7 +28,8 @@ from containers.images import GPU_IMAGE
 from rlhf import pipeline as P
 from rlhf.config import PPOConfig
 from rlhf.state import RoundState
-from tasks.base import GPU, GPU_RETRIES, Scored, gpu_resources, rank, retry_transient, workdir
+from tasks.base import (GPU, GPU_RETRIES, TRACKING_SECRETS, Scored, gpu_resources, rank, retry_transient,
+                        workdir)
 
 Updated = NamedTuple("Updated", [("checkpoint", FlyteDirectory), ("policy", FlyteDirectory),
                                  ("state", RoundState), ("steps", list[dict[str, float]])])
@@ -81,7 +82,7 @@ def _update(cfg: PPOConfig, base_model: FlyteDirectory, checkpoint: Optional[Fly
 
 @task(task_config=RunShapedElastic(nnodes=1, nproc_per_node=1, rdzv_configs=RDZV), requests=gpu_resources(1),
       limits=gpu_resources(1), accelerator=GPU, shared_memory=True, interruptible=True, retries=GPU_RETRIES,
-      container_image=GPU_IMAGE)
+      container_image=GPU_IMAGE, secret_requests=TRACKING_SECRETS)
 def ppo_update(cfg: PPOConfig, base_model: FlyteDirectory, checkpoint: Optional[FlyteDirectory], scored: Scored,
                state: RoundState, run_id: str) -> Updated:
     """`steps_per_round` PPO steps from the previous round's checkpoint (weights and DeepSpeed
@@ -92,7 +93,7 @@ def ppo_update(cfg: PPOConfig, base_model: FlyteDirectory, checkpoint: Optional[
 
 @task(task_config=RunShapedElastic(nnodes=2, nproc_per_node=8, rdzv_configs=RDZV), requests=gpu_resources(8),
       limits=gpu_resources(8), accelerator=GPU, shared_memory=True, interruptible=True, retries=GPU_RETRIES,
-      container_image=GPU_IMAGE)
+      container_image=GPU_IMAGE, secret_requests=TRACKING_SECRETS)
 def ppo_update_multinode(cfg: PPOConfig, base_model: FlyteDirectory, checkpoint: Optional[FlyteDirectory],
                          scored: Scored, state: RoundState, run_id: str) -> Updated:
     """`ppo_update` as a multi-pod PyTorchJob. Rank 0 writes the checkpoint; under ZeRO >= 1

@@ -139,7 +139,9 @@ def _chat_to_json(messages: list[dict] | None) -> str | None:
     if messages is None:
         return None
     # A list<struct> column unifies message fields across rows; unset ones come back as None.
-    return to_json([{k: v for k, v in m.items() if v is not None} for m in messages])
+    # Anything but a message (e.g. a list of strings) is kept for validation to report.
+    return to_json([{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
+                    for m in messages])
 
 
 def _prompt_values(table: pa.Table) -> list[Any]:
@@ -198,7 +200,35 @@ def _merge_extra(info: Any, extra: dict) -> Any:
 
 
 def flatten_verl(table: pa.Table, name: str = "<table>") -> pd.DataFrame:
-    """verl's nested layout (or the flat one) -> a DataFrame with the flat columns, unvalidated."""
+    """verl's nested layout (or the flat one) -> a DataFrame with the flat columns, unvalidated.
+
+    Text that is not valid UTF-8 (parquet strings must be) raises naming the column and row.
+    """
+    try:
+        return _flatten_verl(table, name)
+    except UnicodeDecodeError as e:
+        raise DataValidationError(f"{name}: {_where_not_utf8(table)} holds bytes that are not valid UTF-8 ({e}); "
+                                  "parquet text must be UTF-8: decode the source text with its real encoding "
+                                  "and write the file again") from e
+
+
+def _where_not_utf8(table: pa.Table) -> str:
+    """'column 'x', row 3' for the first value (or column name) that does not decode."""
+    for i in range(table.num_columns):
+        try:
+            column = repr(table.field(i).name)
+        except UnicodeDecodeError:
+            return f"the name of column #{i}"
+        values = table.column(i)
+        for row in range(len(values)):
+            try:
+                values[row].as_py()
+            except UnicodeDecodeError:
+                return f"column {column}, row {row},"
+    return "a value"
+
+
+def _flatten_verl(table: pa.Table, name: str) -> pd.DataFrame:
     names = table.column_names
     has_flat_reward = "reward_style" in names and "ground_truth" in names
     missing = [c for c in ("prompt", "data_source", "ability") if c not in names]
@@ -328,6 +358,8 @@ def read_prompts(path: str | Sequence[str], drop_invalid: bool = False, base_dir
         fs, files = list_parquet_files(resolve_path(p, base_dir))
         for f in files:
             name = _display_name(fs, f)
+            if base_dir:  # a file of a listed directory may be a link to elsewhere
+                resolve_path(name, base_dir)
             df = validate_prompts(flatten_verl(_read_table(fs, f, name), name), name, drop_invalid)
             n_dropped += df.attrs["n_dropped"]
             frames.append(df)

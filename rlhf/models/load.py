@@ -75,15 +75,35 @@ def check_model_source(path: str, allow_network: bool = False) -> str:
     return path
 
 
+class _custom_code_refused:
+    """Turn transformers' refusal to run a checkpoint's own code (without `trust_remote_code`)
+    into a `ModelLoadError` that names the setting."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, kind, e, tb) -> None:
+        if isinstance(e, ValueError) and "trust_remote_code" in str(e):
+            raise ModelLoadError(
+                f"'{self.path}' needs model code shipped inside the checkpoint (auto_map in its config), which "
+                "is not run unless model.trust_remote_code=true; set it only for a checkpoint whose code you "
+                "have read, or use a model class that transformers provides") from e
+
+
 def load_causal_lm(path: str, dtype: str | torch.dtype = "float32", trust_remote_code: bool = False,
                    allow_network: bool = False, device: str | torch.device | None = None):
-    """A causal LM from a local safetensors directory (or a hub name with `allow_network`)."""
+    """A causal LM from a local safetensors directory (or a hub name with `allow_network`).
+    Code inside the checkpoint runs only with `trust_remote_code`."""
     from transformers import AutoModelForCausalLM
 
     source = check_model_source(path, allow_network)
-    model = AutoModelForCausalLM.from_pretrained(
-        source, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code,
-        use_safetensors=True, local_files_only=not allow_network)
+    with _custom_code_refused(path):
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code,
+            use_safetensors=True, local_files_only=not allow_network)
     return model.to(device) if device is not None else model
 
 
@@ -95,8 +115,9 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, allow_network: bo
     if not os.path.isdir(path) and not allow_network:
         raise ModelLoadError(f"tokenizer path '{path}' is not a local directory; download it first or set "
                              f"model.allow_network=true")
-    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code,
-                                        local_files_only=not allow_network)
+    with _custom_code_refused(path):
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code,
+                                            local_files_only=not allow_network)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -221,8 +242,10 @@ class ValueModel(nn.Module):
         from transformers import AutoModel
 
         source = check_model_source(path, allow_network)
-        backbone = AutoModel.from_pretrained(source, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code,
-                                             use_safetensors=True, local_files_only=not allow_network)
+        with _custom_code_refused(path):
+            backbone = AutoModel.from_pretrained(source, dtype=torch_dtype(dtype),
+                                                 trust_remote_code=trust_remote_code, use_safetensors=True,
+                                                 local_files_only=not allow_network)
         return cls(backbone)
 
     def save_pretrained(self, out_dir: str, **kwargs) -> None:

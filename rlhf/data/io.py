@@ -358,7 +358,7 @@ def read_prompts(path: str | Sequence[str], drop_invalid: bool = False, base_dir
         fs, files = list_parquet_files(resolve_path(p, base_dir))
         for f in files:
             name = _display_name(fs, f)
-            if base_dir:  # a file of a listed directory may be a link to elsewhere
+            if base_dir and isinstance(fs, LocalFileSystem):  # a listed file may link to elsewhere
                 resolve_path(name, base_dir)
             df = validate_prompts(flatten_verl(_read_table(fs, f, name), name), name, drop_invalid)
             n_dropped += df.attrs["n_dropped"]

@@ -10,7 +10,9 @@ that turns batch settings into per-GPU sizes and checks that they divide.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
+import functools
 import json
 import math
 import os
@@ -257,17 +259,28 @@ _LOGGERS = ("console", "mlflow", "wandb", "none")
 # ---------------------------------------------------------------------------------
 
 
-def all_keys(cls: type = PPOConfig, prefix: str = "") -> list[str]:
-    """Every dotted leaf key of the tree, e.g. `algorithm.kl_ctrl.kl_coef`."""
-    keys = []
-    hints = get_type_hints(cls)
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    """`get_type_hints(cls)`, computed once per class (it dominates loading otherwise)."""
+    return get_type_hints(cls)
+
+
+@functools.lru_cache(maxsize=None)
+def _all_keys(cls: type, prefix: str) -> tuple[str, ...]:
+    keys: list[str] = []
+    hints = _hints(cls)
     for f in fields(cls):
         t = hints[f.name]
         if is_dataclass(t):
-            keys += all_keys(t, f"{prefix}{f.name}.")
+            keys += _all_keys(t, f"{prefix}{f.name}.")
         else:
             keys.append(f"{prefix}{f.name}")
-    return keys
+    return tuple(keys)
+
+
+def all_keys(cls: type = PPOConfig, prefix: str = "") -> list[str]:
+    """Every dotted leaf key of the tree, e.g. `algorithm.kl_ctrl.kl_coef`."""
+    return list(_all_keys(cls, prefix))
 
 
 def _unknown(key: str, valid: list[str], where: str) -> ConfigError:
@@ -333,7 +346,7 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
 def _build(cls: type, data: dict, prefix: str = "") -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"config section '{prefix.rstrip('.') or '<root>'}' must be a mapping, got {data!r}")
-    hints = get_type_hints(cls)
+    hints = _hints(cls)
     names = {f.name for f in fields(cls)}
     kwargs = {}
     for k, v in data.items():
@@ -348,8 +361,9 @@ def _build(cls: type, data: dict, prefix: str = "") -> Any:
 
 
 def _set_dotted(tree: dict, key: str, value: Any) -> None:
-    if key not in all_keys() and not any(k.startswith(key + ".") for k in all_keys()):
-        raise _unknown(key, all_keys(), " in override")
+    keys = _all_keys(PPOConfig, "")
+    if key not in keys and not any(k.startswith(key + ".") for k in keys):
+        raise _unknown(key, list(keys), " in override")
     parts = key.split(".")
     node = tree
     for p in parts[:-1]:
@@ -416,6 +430,8 @@ def _plain(value: Any, key: str, seen: tuple[int, ...], count: list[int]) -> Any
                           f"{MAX_CONFIG_VALUES} values; write the values out")
     if value is None or isinstance(value, (str, bool, int, float)):
         return value
+    if isinstance(value, (datetime.date, datetime.time)):  # YAML reads an unquoted 2024-01-01 as a date
+        return value.isoformat()
     if not isinstance(value, (dict, list, tuple)):
         raise ConfigError(f"config key '{key}' holds a {type(value).__name__} ({str(value)[:40]}); "
                           "write it as a quoted string or a number")
@@ -432,7 +448,7 @@ def from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> PPOCon
     tree = _plain(data or {}, "", (), [0])  # a deep copy of plain data
     for text in overrides:
         k, v = parse_override(text)
-        _set_dotted(tree, k, v)
+        _set_dotted(tree, k, _plain(v, k, (), [0]))
     cfg = _build(PPOConfig, tree)
     validate(cfg)
     return cfg

@@ -47,11 +47,36 @@ def prepare_data(cfg: PPOConfig) -> DataBundle:
         if not d.val_files:
             raise ValueError("data.train_files is set but data.val_files is empty; give a validation parquet")
         val = read_prompts(d.val_files, drop_invalid=d.drop_invalid, base_dir=d.base_dir)
+        check_data_sources(train, val, d.train_files, d.val_files)
         return DataBundle(train=train, val=val, sft=None)
     from rlhf.data.arithmetic import make_splits
 
     splits = make_splits(d.synthetic)
     return DataBundle(train=splits["train"], val=splits["val"], sft=splits["sft"])
+
+
+def check_data_sources(train: pd.DataFrame, val: pd.DataFrame, train_name: str, val_name: str) -> None:
+    """Before any training: every rule-scored row's `data_source` has a reward function, and
+    every source trained on has validation rows (else its `val-core/<source>` metric is missing
+    and early stopping would not see it). Raises `DataValidationError` naming file, rows, source."""
+    from rlhf.data.io import DataValidationError
+    from rlhf.rewards import REWARDS
+
+    for df, name in ((train, train_name), (val, val_name)):
+        rule = df[(df["reward_style"] == "rule") & ~df["data_source"].isin(REWARDS.names())]
+        for source, rows in rule.groupby("data_source", sort=True).groups.items():
+            shown = ", ".join(str(r) for r in list(rows)[:5]) + (" ..." if len(rows) > 5 else "")
+            raise DataValidationError(
+                f"{name}: data_source {source!r} (rows {shown}) has no reward function; known: "
+                f"{', '.join(REWARDS.names())}. Register one before training with "
+                f"rlhf.rewards.REWARDS.add({source!r}, fn), fix the column, or score these rows with a reward "
+                "model (reward_style 'model' and reward.model_path)")
+    missing = sorted(set(train["data_source"]) - set(val["data_source"]))
+    if missing:
+        raise DataValidationError(
+            f"{val_name}: no validation rows for data_source(s) {', '.join(map(repr, missing))}, which "
+            f"{train_name} trains on; add rows of each source to data.val_files (its val-core/<source> "
+            "metrics and early stopping depend on them), or drop that source from data.train_files")
 
 
 def prepare_policy(cfg: PPOConfig, out_dir: str | os.PathLike, data: DataBundle) -> str:

@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 # DeepSpeed JIT-builds one CPU communication op on first use; keep it between runs.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup setup-vllm run run-local sweep test test-fast sft clean
+.PHONY: setup setup-vllm run run-local sweep test test-fast sft lock audit clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -53,6 +53,15 @@ test-fast: setup
 
 sft: setup
 	$(BIN)/python -m rlhf.sft_main $(ARGS)
+
+## Pin every package .venv holds into requirements.lock (after `make setup setup-vllm`).
+lock: setup setup-vllm
+	{ echo "# Every package of a working .venv (make setup setup-vllm), pinned; regenerate with make lock."; \
+	  $(PIP) freeze --exclude-editable; } > requirements.lock
+
+## Known vulnerabilities in requirements.lock (pip-audit); reasons for ignored IDs in .pip-audit-ignore.
+audit: setup
+	$(BIN)/python .ci/audit_deps.py
 
 clean:
 	rm -rf outputs .cache .pytest_cache

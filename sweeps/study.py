@@ -73,14 +73,23 @@ def _pruner(spec: StudySpec):
 
 
 def open_study(spec: StudySpec, storage: str):
-    """Create the study, or load it when a study of that name exists (a re-launch continues it)."""
+    """Create the study, or load it when a study of that name exists (a re-launch continues it).
+
+    The sampler is seeded with `spec.seed` plus the study's trial count: a study opened anew for
+    every batch (each ask runs in a fresh task) would otherwise draw the same points again."""
+    import dataclasses
+
     import optuna
 
     retry = optuna.storages.RetryFailedTrialCallback(max_retry=spec.max_retry)
     rdb = optuna.storages.RDBStorage(storage, heartbeat_interval=spec.heartbeat_interval,
                                      grace_period=spec.grace_period, failed_trial_callback=retry)
-    return optuna.create_study(study_name=spec.name, storage=rdb, directions=list(spec.directions),
-                               sampler=_sampler(spec), pruner=_pruner(spec), load_if_exists=True)
+    study = optuna.create_study(study_name=spec.name, storage=rdb, directions=list(spec.directions),
+                                sampler=_sampler(spec), pruner=_pruner(spec), load_if_exists=True)
+    n_trials = len(study.get_trials(deepcopy=False))
+    if n_trials:
+        study.sampler = _sampler(dataclasses.replace(spec, seed=spec.seed + n_trials))
+    return study
 
 
 def ask_batch(study, space, k: int) -> list[tuple[int, dict[str, Any]]]:

@@ -189,6 +189,18 @@ def test_a_trial_with_bad_values_is_pruned_by_decide_before_its_last_round(tmp_p
     assert out.summary.states == {"COMPLETE": 2, "PRUNED": 1}
 
 
+def test_a_study_reopened_for_every_batch_draws_new_points(tmp_path):
+    """Each batch opens the study anew (a fresh task): the sampler must not restart its draws."""
+    spec = StudySpec(name="reopen", seed=0, n_startup_trials=4)
+    storage, drawn = storage_url(spec, str(tmp_path)), []
+    for _ in range(3):
+        study = open_study(spec, storage)
+        batch = ask_batch(study, default_space(), 2)
+        tell_batch(study, [(n, "COMPLETE", [p["actor.clip_ratio"]]) for n, p in batch])
+        drawn += [p["actor.clip_ratio"] for _, p in batch]
+    assert len(set(drawn)) == 6, drawn
+
+
 def test_plots_need_two_varied_complete_trials_and_show_the_pareto_front():
     from sweeps.report import figures
 

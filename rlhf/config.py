@@ -22,6 +22,11 @@ from typing import Any, Optional, get_args, get_origin, get_type_hints
 import yaml
 
 
+# libyaml's loader and dumper when PyYAML has them (6x faster), with the same safe types.
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_YAML_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
+
 class ConfigError(ValueError):
     """A config key or value is wrong; the message names the key and what to do."""
 
@@ -466,7 +471,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
         except UnicodeDecodeError as e:
             raise ConfigError(f"config file '{path}' is not UTF-8 text ({e}); save it as UTF-8") from e
         try:
-            data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+            data = json.loads(text) if str(path).endswith(".json") else yaml.load(text, Loader=_YAML_LOADER)
         except (yaml.YAMLError, json.JSONDecodeError) as e:
             raise ConfigError(f"config file '{path}' is not valid YAML/JSON: {e}") from e
         except RecursionError as e:
@@ -485,7 +490,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
 
 def save_config(cfg: PPOConfig, path: str | os.PathLike) -> None:
     with open(path, "w", encoding="utf-8") as f:
-        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+        yaml.dump(to_dict(cfg), f, Dumper=_YAML_DUMPER, sort_keys=False)
 
 
 def replace(cfg: PPOConfig, overrides: list[str] | tuple[str, ...]) -> PPOConfig:

@@ -35,7 +35,7 @@ from sweeps.steps import (SweepConfig, check_sweep, close_trial_run, enqueue_def
                           open_trial_run, plan_batch, tell)
 from sweeps.study import StudySpec, open_study, storage_url
 from sweeps.trial import TrialContext
-from tasks.base import CPU_SMALL, DECK_FIELDS, Prompts
+from tasks.base import CPU_SMALL, DECK_FIELDS, TRACKING_SECRETS, Prompts
 from tasks.data import prepare_policy
 from tasks.run import check_config, report
 from workflows.ppo import prepare_data, ppo_round
@@ -88,7 +88,7 @@ class SweepSummary:
 Swept = NamedTuple("Swept", [("summary", SweepSummary), ("best_config", Optional[FlyteFile])])
 
 
-@task(requests=CPU_SMALL, container_image=CPU_IMAGE, retries=2)
+@task(requests=CPU_SMALL, container_image=CPU_IMAGE, retries=2, secret_requests=TRACKING_SECRETS)
 def start_sweep(cfg: PPOConfig, sweep: SweepConfig) -> SweepRun:
     """Check the sweep, open (or continue) its study, queue the default config's own trial
     once per study, and open the launch's MLflow parent run."""
@@ -117,7 +117,7 @@ def ppo_trial(trial: TrialContext, cfg: PPOConfig, run_id: str, train: Prompts, 
 ppo_trial_lp = LaunchPlan.get_or_create(ppo_trial)  # the default launch plan: what the array node maps over
 
 
-@task(requests=CPU_SMALL, container_image=CPU_IMAGE)
+@task(requests=CPU_SMALL, container_image=CPU_IMAGE, secret_requests=TRACKING_SECRETS)
 def tell_trials(sweep: SweepConfig, run: SweepRun, trials: list[TrialContext], cfgs: list[PPOConfig],
                 run_ids: list[str], states: list[Optional[RoundState]], told: int) -> int:
     """Tell the batch's results (None: the trial raised => FAIL) to the study and to each
@@ -129,7 +129,7 @@ def tell_trials(sweep: SweepConfig, run: SweepRun, trials: list[TrialContext], c
     return told
 
 
-@dynamic(requests=CPU_SMALL, container_image=CPU_IMAGE)
+@dynamic(requests=CPU_SMALL, container_image=CPU_IMAGE, secret_requests=TRACKING_SECRETS)
 def sweep_batches(cfg: PPOConfig, sweep: SweepConfig, run: SweepRun, train: Prompts, val: Prompts,
                   base_model: FlyteDirectory, told: int) -> int:
     """Ask the next batch, run its trials in parallel, tell them, then the next batch: the
@@ -151,7 +151,8 @@ def sweep_batches(cfg: PPOConfig, sweep: SweepConfig, run: SweepRun, train: Prom
     return sweep_batches(cfg=cfg, sweep=sweep, run=run, train=train, val=val, base_model=base_model, told=done)
 
 
-@task(requests=CPU_SMALL, container_image=CPU_IMAGE, enable_deck=True, deck_fields=DECK_FIELDS)
+@task(requests=CPU_SMALL, container_image=CPU_IMAGE, enable_deck=True, deck_fields=DECK_FIELDS,
+      secret_requests=TRACKING_SECRETS)
 def finish_sweep(cfg: PPOConfig, sweep: SweepConfig, run: SweepRun, told: int) -> Swept:
     """The summary (best trial against the default config's trial), the best trial's config
     as YAML, the Optuna plots as decks, and the parent MLflow run closed with both."""

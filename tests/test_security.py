@@ -58,7 +58,8 @@ def secret_run(tmp_path_factory, mlflow_server):
            "MLFLOW_TRACKING_URI": _with_password(mlflow_server)}
     args = [a for a in TINY if not a.startswith("trainer.logger")] + [
         f"trainer.output_dir={out}", "trainer.total_rounds=1", "trainer.logger=[console,mlflow]",
-        "trainer.project_name=ci-secrets", f"trainer.experiment_name={name}", "deepspeed.zero_stage=1"]
+        "trainer.project_name=ci-secrets", f"trainer.experiment_name={name}", "deepspeed.zero_stage=1",
+        "model.sft.enable=false", "trainer.val_before_train=false"]
     proc = subprocess.run([sys.executable, "-m", "rlhf.train", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

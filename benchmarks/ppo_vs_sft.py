@@ -68,6 +68,11 @@ def one_seed(seed: int, overrides: list[str], out_root: Path) -> dict:
         import shutil
 
         shutil.rmtree(out / "base_model")
+    # The process set-up `rlhf.train` makes before it builds the policy (threads, global seed), so the
+    # warm-start here is the one the default run gets.
+    if cfg.trainer.num_threads > 0:
+        torch.set_num_threads(cfg.trainer.num_threads)
+    torch.manual_seed(cfg.trainer.seed)
     t0 = time.perf_counter()
     base = stages.prepare_policy(cfg, str(out), stages.prepare_data(cfg))  # SFT warm-start, cached for train()
     sft_meta = json.loads((Path(base) / "sft_metrics.json").read_text())

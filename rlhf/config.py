@@ -150,7 +150,7 @@ class CriticConfig:
 class RolloutConfig:
     name: str = "hf"  # "hf" | "hf_fast" (static cache + CUDA graphs) | "vllm"
     n: int = 4  # responses per prompt
-    temperature: float = 1.0  # sampling temperature (log-probs use the same)
+    temperature: float = 1.5  # sampling temperature (log-probs use the same); above 1 explores past a confident SFT start
     top_p: float = 1.0  # nucleus sampling
     top_k: int = -1  # -1 => off
     tensor_model_parallel_size: int = 1  # vLLM tensor parallel size
@@ -164,7 +164,7 @@ class RolloutConfig:
 class KLCtrlConfig:
     type: str = "fixed"  # "fixed" | "adaptive"
     kl_coef: float = 0.001  # KL coefficient (initial value for adaptive)
-    target_kl: float = 0.1  # adaptive target; also the early-stop KL budget
+    target_kl: float = 1.0  # adaptive target; also the early-stop KL budget (mean per-token KL to the reference)
     horizon: int = 10000  # adaptive controller horizon
 
 
@@ -190,7 +190,7 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    total_rounds: int = 60  # rounds to run (fewer on early stop)
+    total_rounds: int = 100  # rounds to run (fewer on early stop)
     steps_per_round: int = 1  # PPO steps per rollout buffer (1 => on-policy)
     test_freq: int = 1  # evaluate every k rounds
     val_before_train: bool = True  # evaluate the starting policy
@@ -220,7 +220,7 @@ class DeepSpeedConfig:
 class EarlyStopConfig:
     enable: bool = True  # apply the early-stop rules
     kl_patience: int = 3  # stop after KL > target_kl for this many consecutive steps
-    kl_ceiling: float = 0.2  # stop at once when KL exceeds this
+    kl_ceiling: float = 2.0  # stop at once when KL exceeds this
     val_patience: int = 0  # stop after this many evaluations without improvement; 0 => off
     min_delta: float = 0.0  # val improvement that counts
     max_nonfinite_steps: int = 3  # stop after this many skipped (non-finite) steps

@@ -48,6 +48,7 @@ SHORT_SCHEDULE = [
     "data.synthetic.n_train=4000", "data.synthetic.n_val=200", "data.synthetic.n_sft=1500",
     "data.train_batch_size=64", "rollout.n=4", "actor.ppo_mini_batch_size=16",
     "model.sft.max_steps=600", "model.sft.max_seconds=300", "model.sft.stop_at_accuracy=0.4",
+    "rollout.temperature=1.0", "algorithm.kl_ctrl.target_kl=0.1", "early_stop.kl_ceiling=0.2",
 ]
 SWEEP_CFG = load_config(None, SHORT_SCHEDULE)
 # Pruning starts once two batches completed, from round 2: val scores after one round differ

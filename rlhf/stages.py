@@ -125,6 +125,32 @@ def shard(df: pd.DataFrame, steps: int, rank: int, world: int) -> pd.DataFrame:
     return pd.concat(blocks).reset_index(drop=True)
 
 
+def fit_prompts(df: pd.DataFrame, tokenizer, cfg: PPOConfig, split: str) -> pd.DataFrame:
+    """With `data.filter_overlong_prompts`, the rows of `df` whose prompt fits in
+    `data.max_prompt_length` tokens (the dropped rows are counted in the log); otherwise `df`
+    as it is (`data.truncation` then decides at rollout). Raises when no row fits."""
+    d = cfg.data
+    if not d.filter_overlong_prompts or len(df) == 0:
+        return df
+    from rlhf.data.sampling import filter_overlong
+
+    kept = filter_overlong(df, tokenizer, d.max_prompt_length, d.prompt_format)
+    dropped = kept.attrs.get("n_overlong", 0)
+    if dropped and len(kept) == 0:
+        raise ValueError(f"every one of the {len(df)} {split} prompts is longer than data.max_prompt_length="
+                         f"{d.max_prompt_length} tokens; raise data.max_prompt_length or shorten the prompts")
+    if dropped:
+        log.warning("dropped %d of %d %s prompts longer than data.max_prompt_length=%d tokens "
+                    "(data.filter_overlong_prompts)", dropped, len(df), split, d.max_prompt_length)
+    return kept
+
+
+def fit_data(data: DataBundle, tokenizer, cfg: PPOConfig) -> DataBundle:
+    """`fit_prompts` on the train and val tables."""
+    return DataBundle(train=fit_prompts(data.train, tokenizer, cfg, "train"),
+                      val=fit_prompts(data.val, tokenizer, cfg, "val"), sft=data.sft)
+
+
 # -- rollout ----------------------------------------------------------------------------------
 
 

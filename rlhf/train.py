@@ -53,6 +53,7 @@ class Run:
         self.resumed_from = str(resume) if resume else ""
         policy_dir = str(resume / "actor") if resume else self.base_dir
         self.tokenizer = load_tokenizer(self.base_dir, trust_remote_code=cfg.model.trust_remote_code)
+        self.data = stages.fit_data(self.data, self.tokenizer, cfg)
         self.trainer = P.build_trainer(cfg, self.sizes, self.base_dir, self.device, resume)
         self.state = RoundState.initial(cfg)
         if resume:

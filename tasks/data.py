@@ -45,6 +45,22 @@ def prepare_policy(model: ModelConfig, seed: int, sft: Prompts) -> FlyteDirector
     return FlyteDirectory(path=P.prepare_base_model(model, seed, sft, workdir("policy")))
 
 
+Fitted = NamedTuple("Fitted", [("train", Prompts), ("val", Prompts)])
+
+
+@task(requests=CPU_SMALL, container_image=CPU_IMAGE, retries=2)
+def fit_prompts(cfg: PPOConfig, train: Prompts, val: Prompts, policy: FlyteDirectory) -> Fitted:
+    """The train and val prompts that fit in `data.max_prompt_length` tokens of the policy's
+    tokenizer when `data.filter_overlong_prompts` (the rest dropped and counted in the log)."""
+    from rlhf.models.load import load_tokenizer
+
+    if not cfg.data.filter_overlong_prompts:
+        return Fitted(train=train, val=val)
+    tokenizer = load_tokenizer(policy.download(), trust_remote_code=cfg.model.trust_remote_code)
+    return Fitted(train=stages.fit_prompts(train, tokenizer, cfg, "train"),
+                  val=stages.fit_prompts(val, tokenizer, cfg, "val"))
+
+
 @task(requests=CPU_SMALL, container_image=CPU_IMAGE)
 def sample_prompts(cfg: PPOConfig, train: Prompts, state: RoundState) -> Sampled:
     """The round's `steps_per_round * train_batch_size` prompts; the sampler cursor moves in the state."""

@@ -89,3 +89,22 @@ def test_val_set_without_rows_for_a_trained_source_is_refused(tmp_path):
         prepare_data(cfg)
     fine = load_config(None, _files(tmp_path, ["synthetic/arithmetic"], ["synthetic/arithmetic", "openai/gsm8k"]))
     assert len(prepare_data(fine).val) == 2  # extra validation sources are allowed
+
+
+def test_overlong_prompts_are_dropped_and_counted_before_training(tok, caplog):
+    import pandas as pd
+
+    from rlhf.stages import DataBundle, fit_data, fit_prompts
+
+    df = pd.DataFrame({"prompt": ["1+1=", "12345678901234567890+1=", "2+2="], "data_source": "synthetic/arithmetic",
+                       "ground_truth": ["2", "0", "4"]})
+    cfg = load_config(None, ["data.max_prompt_length=10"])
+    with caplog.at_level("WARNING"):
+        fitted = fit_data(DataBundle(train=df, val=df.iloc[[0]], sft=None), tok, cfg)
+    assert fitted.train["prompt"].tolist() == ["1+1=", "2+2="] and len(fitted.val) == 1
+    assert "dropped 1 of 3 train prompts longer than data.max_prompt_length=10" in caplog.text
+    kept = fit_prompts(df, tok, load_config(None, ["data.max_prompt_length=10", "data.filter_overlong_prompts=false"]),
+                       "train")
+    assert len(kept) == 3  # data.truncation decides at rollout instead
+    with pytest.raises(ValueError, match="every one of the 1 val prompts is longer than data.max_prompt_length=3"):
+        fit_prompts(df.iloc[[1]], tok, load_config(None, ["data.max_prompt_length=3"]), "val")

@@ -50,6 +50,7 @@ def ppo_round(cfg: PPOConfig, train: Prompts, val: Prompts, base_model: FlyteDir
     """One round from `policy` (checkpoint `checkpoint`, state `state`; None for the first
     round, which validates the starting policy first), then the next round or the end.
     In a sweep's trial (`trial` given), `decide` also reports to the study's pruner."""
+    _flat_local_sandbox()
     s = state or RoundState.initial(cfg)
     if state is None and P.should_validate_first(cfg, s):
         s = evaluate(cfg=cfg, policy=policy, val=val, state=s, run_id=run_id).state
@@ -75,6 +76,24 @@ def ppo_round(cfg: PPOConfig, train: Prompts, val: Prompts, base_model: FlyteDir
             .else_()
             .then(ppo_round(cfg=cfg, train=train, val=val, base_model=base_model, policy=updated.policy,
                             checkpoint=updated.checkpoint, state=verdict.state, run_id=run_id, trial=trial)))
+
+
+def _flat_local_sandbox() -> None:
+    """Local execution only: give this round's tasks a sandbox beside the others rather than one
+    named after every enclosing round's. flytekit names a task's local sandbox with its parent's
+    path as prefix, so one recursion level per round would pass the file-name length limit after
+    about 30 rounds. On a cluster every task has its own pod and nothing changes."""
+    import os
+    import tempfile
+
+    from flytekit.core.context_manager import FlyteContextManager
+
+    state = FlyteContextManager.current_context().execution_state
+    if state is None or not state.is_local_execution() or state.user_space_params is None:
+        return
+    params = state.user_space_params
+    current = str(getattr(params.working_directory, "name", params.working_directory))
+    params._working_directory = tempfile.mkdtemp(prefix="round", dir=os.path.dirname(current.rstrip("/")))
 
 
 def gpu_overrides(n_gpus: int) -> dict:

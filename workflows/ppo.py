@@ -50,7 +50,7 @@ def ppo_round(cfg: PPOConfig, train: Prompts, val: Prompts, base_model: FlyteDir
     """One round from `policy` (checkpoint `checkpoint`, state `state`; None for the first
     round, which validates the starting policy first), then the next round or the end.
     In a sweep's trial (`trial` given), `decide` also reports to the study's pruner."""
-    _flat_local_sandbox()
+    _local_room_for_rounds(cfg.trainer.total_rounds)
     s = state or RoundState.initial(cfg)
     if state is None and P.should_validate_first(cfg, s):
         s = evaluate(cfg=cfg, policy=policy, val=val, state=s, run_id=run_id).state
@@ -78,12 +78,19 @@ def ppo_round(cfg: PPOConfig, train: Prompts, val: Prompts, base_model: FlyteDir
                             checkpoint=updated.checkpoint, state=verdict.state, run_id=run_id, trial=trial)))
 
 
-def _flat_local_sandbox() -> None:
-    """Local execution only: give this round's tasks a sandbox beside the others rather than one
-    named after every enclosing round's. flytekit names a task's local sandbox with its parent's
-    path as prefix, so one recursion level per round would pass the file-name length limit after
-    about 30 rounds. On a cluster every task has its own pod and nothing changes."""
+# Python frames one round's recursion level takes in flytekit's local executor (about 11
+# measured), with room to spare.
+LOCAL_FRAMES_PER_ROUND = 40
+
+
+def _local_room_for_rounds(total_rounds: int) -> None:
+    """Local execution only (on a cluster every task has its own pod and nothing changes), where
+    the rounds' recursion runs in one Python process: give this round's tasks a sandbox beside
+    the others rather than one named after every enclosing round's (flytekit prefixes a local
+    task sandbox with its parent's path, which passes the file-name length limit after about 30
+    rounds), and raise the interpreter's recursion limit to fit `total_rounds` levels."""
     import os
+    import sys
     import tempfile
 
     from flytekit.core.context_manager import FlyteContextManager
@@ -94,6 +101,9 @@ def _flat_local_sandbox() -> None:
     params = state.user_space_params
     current = str(getattr(params.working_directory, "name", params.working_directory))
     params._working_directory = tempfile.mkdtemp(prefix="round", dir=os.path.dirname(current.rstrip("/")))
+    needed = 1000 + LOCAL_FRAMES_PER_ROUND * total_rounds
+    if sys.getrecursionlimit() < needed:
+        sys.setrecursionlimit(needed)
 
 
 def gpu_overrides(n_gpus: int) -> dict:

@@ -21,6 +21,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 TINY: list[str] = []  # ["--tiny"]: the same runs CPU-sized
+# The update benchmark on two ranks of this host (torchrun).
+TWO_RANKS = [PY, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-endpoint=127.0.0.1:29500",
+             "benchmarks/update_throughput.py"]
 ENV = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
        "DS_ACCELERATOR": "cuda", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
        "NVSHMEM_DISABLE_NVLS": "1", "TRL_EXPERIMENTAL_SILENCE": "1",
@@ -43,9 +46,20 @@ def lane(cmds: list[tuple[list[str], int]], gpus: str, log: Path, deadline: floa
                             stderr=subprocess.STDOUT)
 
 
-def single(out: Path, budget: float) -> None:
+def side_by_side(gpu0: list, gpu1: list, out: Path, deadline: float, fall_back: bool = True) -> None:
+    """The two lanes at once, on GPU 0 and GPU 1 (logs gpu0.log, gpu1.log), and wait for both;
+    with `fall_back` and one visible GPU, one after the other on GPU 0."""
     import torch
 
+    if fall_back and torch.cuda.device_count() < 2:
+        procs = [lane(gpu0 + gpu1, "0", out / "gpu0.log", deadline)]
+    else:
+        procs = [lane(gpu0, "0", out / "gpu0.log", deadline), lane(gpu1, "1", out / "gpu1.log", deadline)]
+    for p in procs:
+        p.wait()
+
+
+def single(out: Path, budget: float) -> None:
     deadline = time.time() + budget
     ub = [PY, "benchmarks/update_throughput.py"]
     gpu0 = [(ub + ["--variants", "check,packed,padded,grpo_packed,trl", "--timeout", "220",
@@ -53,18 +67,12 @@ def single(out: Path, budget: float) -> None:
     gpu1 = [([PY, "benchmarks/rollout_throughput.py", "--out", str(out / "rollout_h200.json")], 330),
             (ub + ["--variants", "packed_ckpt,grpo_padded", "--timeout", "200",
                    "--out", str(out / "update_1gpu_extra_h200.json")], 10**4)]
-    if torch.cuda.device_count() >= 2:
-        procs = [lane(gpu0, "0", out / "gpu0.log", deadline), lane(gpu1, "1", out / "gpu1.log", deadline)]
-    else:
-        procs = [lane(gpu0 + gpu1, "0", out / "gpu0.log", deadline)]
-    for p in procs:
-        p.wait()
+    side_by_side(gpu0, gpu1, out, deadline)
 
 
 def multi(out: Path, budget: float) -> None:
     deadline = time.time() + budget
-    tr = [PY, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-endpoint=127.0.0.1:29500",
-          "benchmarks/update_throughput.py"]
+    tr = TWO_RANKS
     ref_args = subprocess.run([PY, "benchmarks/gpu_reference_config.py", "--gpus", "2"], cwd=ROOT,
                               capture_output=True, text=True, env={**os.environ, **ENV}).stdout.split()
     cmds = [
@@ -98,8 +106,6 @@ def diagnose(out: Path, budget: float) -> None:
     """GPU 0: one update step of the packed path under the profiler, the plain-PyTorch
     control, and the engine settings the trace may point at; GPU 1: the largest model that
     runs a round with ZeRO-3, and with ZeRO-3 + CPU offload."""
-    import torch
-
     deadline = time.time() + budget
     ub = [PY, "benchmarks/update_throughput.py", "--warmup", "1", "--steps", "1"]
     fp32_acc = '{"data_types": {"grad_accum_dtype": "fp32"}}'
@@ -112,12 +118,7 @@ def diagnose(out: Path, budget: float) -> None:
             (ub + ["--variants", "packed", "--max-tokens", "32768", "--out", str(out / "update_32k_h200.json")], 100)]
     gpu1 = [([PY, "benchmarks/largest_model.py", "--timeout", "220", "--budget", str(int(budget - 150)),
               "--out", str(out / "largest_model_h200.json")], 10**4)]
-    if torch.cuda.device_count() >= 2:
-        procs = [lane(gpu0, "0", out / "gpu0.log", deadline), lane(gpu1, "1", out / "gpu1.log", deadline)]
-    else:
-        procs = [lane(gpu0 + gpu1, "0", out / "gpu0.log", deadline)]
-    for p in procs:
-        p.wait()
+    side_by_side(gpu0, gpu1, out, deadline)
 
 
 def fixed(out: Path, budget: float) -> None:
@@ -143,12 +144,9 @@ def fixed(out: Path, budget: float) -> None:
             (ub + one + ["--variants", "packed_ckpt", "--max-tokens", "32768",
                          "--out", str(out / "update_1gpu_ckpt_32k_h200.json")], 100)]
     phase_a = t0 + 0.62 * budget
-    procs = [lane(gpu0, "0", out / "gpu0.log", phase_a), lane(gpu1, "1", out / "gpu1.log", phase_a)]
-    for p in procs:
-        p.wait()
+    side_by_side(gpu0, gpu1, out, phase_a, fall_back=False)
     deadline = t0 + budget
-    tr = [PY, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-endpoint=127.0.0.1:29500",
-          "benchmarks/update_throughput.py", "--warmup", "1", "--steps", "1"]
+    tr = [*TWO_RANKS, "--warmup", "1", "--steps", "1"]
     lane([(tr + ["--variant", "packed", "--zero", "2", "--out", str(out / "update_2gpu_zero2_h200.json")], 110),
           (tr + ["--variant", "packed", "--zero", "0", "--out", str(out / "update_2gpu_zero0_h200.json")], 110)],
          "0,1", out / "multi.log", deadline).wait()
@@ -159,8 +157,7 @@ def epochs1(out: Path, budget: float) -> None:
     (ZeRO-2, and ZeRO-0 with MasterAdamW), then GPU 0 measures ours (packed, profiled; GRPO;
     padded) and TRL side by side while GPU 1 runs the 7B model with ZeRO-3 + CPU offload."""
     t0 = time.time()
-    tr = [PY, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-endpoint=127.0.0.1:29500",
-          "benchmarks/update_throughput.py", "--warmup", "1", "--steps", "2"]
+    tr = [*TWO_RANKS, "--warmup", "1", "--steps", "2"]
     lane([(tr + ["--variant", "packed", "--zero", "2", "--out", str(out / "update_2gpu_zero2_h200.json")], 90),
           (tr + ["--variant", "packed", "--zero", "0", "--out", str(out / "update_2gpu_zero0_h200.json")], 90)],
          "0,1", out / "multi.log", t0 + 200).wait()
@@ -174,9 +171,7 @@ def epochs1(out: Path, budget: float) -> None:
                    "--out", str(out / "update_1gpu_padded_h200.json")], 100)]
     gpu1 = [([PY, "benchmarks/largest_model.py", "--modes", "zero3_offload", "--sizes", "7b", "--timeout", "280",
               "--out", str(out / "largest_model_offload_h200.json")], 10**4)]
-    procs = [lane(gpu0, "0", out / "gpu0.log", deadline), lane(gpu1, "1", out / "gpu1.log", deadline)]
-    for p in procs:
-        p.wait()
+    side_by_side(gpu0, gpu1, out, deadline, fall_back=False)
 
 
 def report(out: Path) -> None:

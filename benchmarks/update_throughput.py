@@ -3,6 +3,8 @@
 Every variant runs in its own process (fresh memory, its own peak) on the same synthetic
 scored batch: `train_batch_size` prompts x `rollout.n` responses with a realistic length
 spread (gpu_common.sample_lengths), actor + critic + frozen reference.
+Under torchrun each rank takes its share as the trainer does (`trainer.balance_batch`);
+`rank_split` records the tokens per rank of each mini-batch, split contiguously and balanced.
 
 Variants (ours: `rlhf.trainer.ppo.PPOTrainer` stage by stage, exactly the calls of `round`):
   padded       fixed micro-batches of rows, padded (trimmed to the micro-batch's longest row)
@@ -102,8 +104,9 @@ def run_ours(a, variant: str) -> dict:
     full, _, _ = G.scored_buffer(p_lens, r_lens, a.n, actor.config.vocab_size, seed=a.seed)
     import pandas as pd  # the rank's share exactly as `stages.update` takes it
 
-    rows = pd.DataFrame({"i": range(len(full))})
-    local_rows = stages.shard(rows, cfg.trainer.steps_per_round, rank, world)["i"].tolist()
+    rows = pd.DataFrame({"i": range(len(full)), "group_id": full.group_ids.tolist()})
+    lengths = full.seq_lengths()
+    local_rows = stages.shard_for_update(rows, cfg, rank, world, lengths=lengths)["i"].tolist()
     buf = full.select(local_rows).to(device)
     tokens_local = float(buf.attention_mask.sum())
     resp_tokens_local = float(buf.response_mask.sum())
@@ -125,12 +128,35 @@ def run_ours(a, variant: str) -> dict:
                sizes=sizes.__dict__, n_params_actor=n_actor, n_params_critic=n_critic,
                lengths=G.length_stats(p_lens, r_lens), ds_config_extra=json.loads(a.ds_json or "{}"),
                optimizer=type(trainer.actor.optimizer).__name__,
-               profile=profile)
+               profile=profile, **rank_split(cfg, rows, lengths, world))
     if device.type == "cuda":
         out["peak_gb_process"] = torch.cuda.max_memory_reserved(device) / 2**30
         peaks = D.all_gather_cat(torch.tensor([out["peak_gb_process"]], device=device)).tolist()
         out["peak_gb_reserved_per_rank"] = peaks
     return out if rank == 0 else {}
+
+
+def rank_split(cfg, rows, lengths: list[int], world: int) -> dict:
+    """Tokens per rank of each mini-batch under the contiguous and the balanced split
+    (`trainer.balance_batch`), for this run's ranks (2 when it runs alone: what two would
+    get); `rank_token_imbalance` is the worst mini-batch's heaviest rank over the mean."""
+    import dataclasses
+
+    from rlhf import stages
+    from rlhf.config import derive_sizes
+
+    w = max(world, 2)
+    on = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, balance_batch=True))
+    m = derive_sizes(cfg, w).mini_batch_per_gpu
+    split = {"contiguous": [stages.shard(rows, cfg.trainer.steps_per_round, r, w)["i"].tolist() for r in range(w)],
+             "balanced": [stages.shard_for_update(rows, on, r, w, lengths=lengths)["i"].tolist() for r in range(w)]}
+    stats = {}
+    for name, parts in split.items():
+        tokens = [[sum(lengths[i] for i in p[k:k + m]) for p in parts] for k in range(0, len(parts[0]), m)]
+        stats[name] = {"rank_token_imbalance": stages.rank_token_imbalance(lengths, parts, m),
+                       "tokens_per_rank_per_mini_batch": tokens}
+    return {"rank_split": {"world_size": w, "balance_batch": cfg.trainer.balance_batch, **stats},
+            "rank_token_imbalance": {k: v["rank_token_imbalance"] for k, v in stats.items()}}
 
 
 def one_step(trainer, buf, device):
@@ -543,6 +569,8 @@ def compare(results: dict) -> dict:
     """The ratios the targets are stated in, where both sides ran."""
     tps = {k: v.get("tokens_per_s") for k, v in results.items() if v.get("tokens_per_s")}
     out = {"tokens_per_s": tps, "mfu_actor": {k: v.get("mfu_actor") for k, v in results.items()},
+           "rank_token_imbalance": {k: v["rank_token_imbalance"] for k, v in results.items()
+                                    if "rank_token_imbalance" in v},
            "errors": {k: v["error"] for k, v in results.items() if "error" in v}}
     if "packed" in tps and "padded" in tps:
         out["packed_over_padded"] = tps["packed"] / tps["padded"]

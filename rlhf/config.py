@@ -206,6 +206,7 @@ class TrainerConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     num_threads: int = 1  # torch CPU threads per process on CPU (tiny models run fastest on one); 0 => default
     profile_steps: list[int] = field(default_factory=list)  # global steps to trace with torch.profiler
+    balance_batch: bool = True  # split each PPO mini-batch over ranks by equal rows and near-equal tokens
     max_ckpt_to_keep: int = 2  # round checkpoints kept
 
 

@@ -257,7 +257,7 @@ def update_from_checkpoint(cfg: PPOConfig, base_model_dir: str, checkpoint_dir: 
         ckpt.restore(trainer, resume, state)
     else:
         ckpt.apply_state(trainer, state)
-    local = stages.shard(scored, cfg.trainer.steps_per_round, rank, world)
+    local = stages.shard_for_update(scored, cfg, rank, world)
     t = time.perf_counter()
     from rlhf.profiling import StepProfiler
 

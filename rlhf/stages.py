@@ -14,6 +14,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import pandas as pd
@@ -123,6 +124,128 @@ def shard(df: pd.DataFrame, steps: int, rank: int, world: int) -> pd.DataFrame:
     part = per_step // world
     blocks = [df.iloc[s * per_step + rank * part: s * per_step + (rank + 1) * part] for s in range(steps)]
     return pd.concat(blocks).reset_index(drop=True)
+
+
+def shard_for_update(df: pd.DataFrame, cfg: PPOConfig, rank: int, world: int,
+                     lengths: Sequence[int] | None = None) -> pd.DataFrame:
+    """This rank's rows of a scored table for the update: with `trainer.balance_batch` and
+    more than one rank, each global PPO mini-batch of each step split into `world` parts of
+    equal row count and near-equal tokens (`balanced_rows`), so that the rank's i-th
+    mini-batch is its part of the i-th global one; otherwise `shard`'s contiguous split.
+    Every rank computes the same partition from the same table. `lengths`: tokens per row
+    (default: prompt plus response ids of the table); GRPO keeps each `group_id` on one rank."""
+    steps = cfg.trainer.steps_per_round
+    if world == 1 or not cfg.trainer.balance_batch:
+        return shard(df, steps, rank, world)
+    if lengths is None:
+        lengths = token_lengths(df)
+    groups = df["group_id"].tolist() if cfg.algorithm.adv_estimator == "grpo" else None
+    parts, why = balanced_rows(lengths, steps, world, derive_sizes(cfg, world).mini_batch_responses, groups)
+    if parts is None:
+        if why not in _FALLBACK_LOGGED:
+            _FALLBACK_LOGGED.add(why)
+            log.info("trainer.balance_batch: %s; each step's rows are split contiguously over the ranks", why)
+        return shard(df, steps, rank, world)
+    return df.iloc[parts[rank]].reset_index(drop=True)
+
+
+_FALLBACK_LOGGED: set[str] = set()
+
+
+def token_lengths(df: pd.DataFrame) -> list[int]:
+    """Tokens of each row of a rollout table: prompt plus response ids."""
+    return [len(json.loads(p)) + len(json.loads(r)) for p, r in zip(df["prompt_ids"], df["response_ids"])]
+
+
+def balanced_rows(lengths: Sequence[int], steps: int, world: int, chunk_rows: int,
+                  group_ids: Sequence | None = None) -> tuple[list[list[int]] | None, str]:
+    """Each rank's row indices, or (None, why) when no equal-count split exists.
+
+    Rows are `steps` blocks of equal size; each block is cut into chunks of `chunk_rows`
+    rows (one global mini-batch), or taken whole when its units do not divide that way,
+    and each chunk's units go to `world` parts of equal unit count and near-equal tokens
+    (`equal_count_partition`). A unit is a row, or with `group_ids` a run of consecutive
+    rows with the same id (all units of a chunk of one size, so parts get equal rows).
+    Rank r's rows: part r of every chunk in turn, each part in the original row order."""
+    from rlhf.data.batching import equal_count_partition
+
+    n = len(lengths)
+    if steps <= 0 or n % steps:
+        return None, f"{n} rows do not make {steps} equal step blocks"
+    per_step = n // steps
+    out: list[list[int]] = [[] for _ in range(world)]
+    for s in range(steps):
+        units = _units(range(s * per_step, (s + 1) * per_step), group_ids)
+        chunks = _chunks(units, chunk_rows, world)
+        if chunks is None:
+            chunks = _chunks(units, per_step, world)
+        if chunks is None:
+            what = "prompt groups" if group_ids is not None else "rows"
+            return None, (f"the {len(units)} {what} of a step ({per_step} rows) cannot be split into {world} "
+                          f"parts of equal row count")
+        for chunk in chunks:
+            weights = [sum(int(lengths[i]) for i in u) for u in chunk]
+            for r, part in enumerate(equal_count_partition(weights, world)):
+                out[r].extend(i for u in part for i in chunk[u])
+    return out, ""
+
+
+def _units(rows: range, group_ids: Sequence | None) -> list[list[int]]:
+    if group_ids is None:
+        return [[i] for i in rows]
+    units: list[list[int]] = []
+    for i in rows:
+        if units and group_ids[i] == group_ids[units[-1][-1]]:
+            units[-1].append(i)
+        else:
+            units.append([i])
+    return units
+
+
+def _chunks(units: list[list[int]], rows: int, world: int) -> list[list[list[int]]] | None:
+    """`units` cut into consecutive chunks of `rows` rows each, every chunk's unit count
+    divisible by `world` and its units of one size; None when that cannot be done."""
+    chunks, cur, size = [], [], 0
+    for u in units:
+        cur.append(u)
+        size += len(u)
+        if size > rows:
+            return None
+        if size == rows:
+            chunks.append(cur)
+            cur, size = [], 0
+    if cur or not chunks:
+        return None
+    for c in chunks:
+        if len(c) % world or len({len(u) for u in c}) != 1:
+            return None
+    return chunks
+
+
+def step_major(frames: Sequence[pd.DataFrame], steps: int) -> pd.DataFrame:
+    """The ranks' tables (rank order) as one table in the order `shard` splits: for each step,
+    rank 0's block of that step, rank 1's, ...; each table holds its `steps` blocks in turn.
+    `group_id`s are offset per rank so that groups of different ranks never share an id."""
+    shifted, offset = [], 0
+    for f in frames:
+        ids = f["group_id"].astype(np.int64) + offset
+        shifted.append(f.assign(group_id=ids))
+        offset = int(ids.max()) + 1 if len(f) else offset
+    blocks = [f.iloc[s * (len(f) // steps):(s + 1) * (len(f) // steps)] for s in range(steps) for f in shifted]
+    return pd.concat(blocks).reset_index(drop=True)
+
+
+def rank_token_imbalance(lengths: Sequence[int], rank_rows: Sequence[Sequence[int]], mini_per_gpu: int) -> float:
+    """Max over mini-batches of (tokens of the heaviest rank / mean tokens per rank), each
+    rank's mini-batches being consecutive runs of `mini_per_gpu` of its rows: 1.0 is even."""
+    n_mini = min(len(r) for r in rank_rows) // mini_per_gpu
+    worst = 1.0
+    for m in range(n_mini):
+        tok = [sum(int(lengths[i]) for i in r[m * mini_per_gpu:(m + 1) * mini_per_gpu]) for r in rank_rows]
+        mean = sum(tok) / len(tok)
+        if mean > 0:
+            worst = max(worst, max(tok) / mean)
+    return worst
 
 
 def fit_prompts(df: pd.DataFrame, tokenizer, cfg: PPOConfig, split: str) -> pd.DataFrame:

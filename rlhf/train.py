@@ -108,9 +108,10 @@ class Run:
         scored = stages.score(rollouts, cfg, self.reward_model)
         timer["timing_s/reward"] = _lap(t)
         t = time.perf_counter()
+        local = self._update_share(scored)
         torch.manual_seed(P.update_seed(cfg, self.state.round, self.rank))
         with self.profiler.update(self.state.global_step + 1, cfg.trainer.steps_per_round, self.sink):
-            steps = stages.update(self.trainer, scored, self.tokenizer.pad_token_id, cfg)
+            steps = stages.update(self.trainer, local, self.tokenizer.pad_token_id, cfg)
         timer["timing_s/update"] = _lap(t)
         gen_metrics = D.mean_across_ranks(stages.rollout_metrics(rollouts, cfg))
         n_tokens = float(D.all_reduce_sum(torch.tensor(P.count_tokens(rollouts))))
@@ -123,6 +124,15 @@ class Run:
         self.state, verdict = decide(self.state, steps, cfg)
         self.save()
         return verdict
+
+    def _update_share(self, scored):
+        """This rank's rows for the update. Prompts were split over ranks before rollout, so
+        each rank holds its own scored rows; with `trainer.balance_batch` they are gathered
+        into the round's step-major table and split again by tokens (`stages.shard_for_update`)."""
+        if self.world == 1 or not self.cfg.trainer.balance_batch:
+            return scored
+        table = stages.step_major(D.all_gather_object(scored), self.cfg.trainer.steps_per_round)
+        return stages.shard_for_update(table, self.cfg, self.rank, self.world)
 
     # -- checkpoints -------------------------------------------------------------------------
     def save(self) -> Path:

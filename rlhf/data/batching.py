@@ -11,6 +11,7 @@ for attention backends that do not look at position ids.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from dataclasses import dataclass
@@ -50,12 +51,16 @@ def _karmarkar_karp(items: list[tuple[int, int]], k: int) -> list[tuple[int, lis
     merged, heaviest part with lightest part, until one partition is left. Parts hold
     their indices as a tree of pairs so a merge costs O(k), not O(items).
     """
-    heap = []
-    for order, (length, index) in enumerate(items):
-        parts = [(length, index)] + [(0, None)] * (k - 1)
-        heap.append((-length, order, parts))
+    partials = [[(length, index)] + [(0, None)] * (k - 1) for length, index in items]
+    return _differencing(partials)
+
+
+def _differencing(partials: list[list[tuple[int, object]]]) -> list[tuple[int, list[int]]]:
+    """Merge k-way partial partitions (each a list of k (total, tree) parts, heaviest first),
+    the two of largest spread first, heaviest part with lightest part, until one is left."""
+    heap = [(-(p[0][0] - (p[-1][0] if len(p) > 1 else 0)), order, p) for order, p in enumerate(partials)]
     heapq.heapify(heap)
-    order = len(items)
+    order = len(partials)
     while len(heap) > 1:
         _, _, a = heapq.heappop(heap)
         _, _, b = heapq.heappop(heap)  # both sorted heaviest part first
@@ -64,6 +69,73 @@ def _karmarkar_karp(items: list[tuple[int, int]], k: int) -> list[tuple[int, lis
         heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), order, merged))
         order += 1
     return [(total, _flatten_tree(tree)) for total, tree in heap[0][2]]
+
+
+def equal_count_partition(lengths: Sequence[int], k: int) -> list[list[int]]:
+    """Indices into `lengths` in k parts of exactly len(lengths) / k indices each, with
+    near-equal totals; each part in ascending index order. Deterministic (ties by index).
+
+    The better (lighter heaviest part, then smaller spread) of two partitions, then improved
+    by swaps between the heaviest and the lightest part: Karmarkar-Karp differencing on k-way
+    partial partitions built from each run of k consecutive items in longest-first order (every
+    part takes one item of each run, so counts stay equal), and longest-first into the lightest
+    part that still has room.
+    """
+    n = len(lengths)
+    if k <= 0 or n % k:
+        raise ValueError(f"{n} items cannot be split into {k} parts of equal count")
+    if any(x < 0 for x in lengths):
+        raise ValueError("lengths must be >= 0")
+    items = sorted(((int(x), i) for i, x in enumerate(lengths)), key=lambda x: (-x[0], x[1]))
+    if n == 0:
+        return [[] for _ in range(k)]
+    kk = [b for _, b in _differencing([items[j:j + k] for j in range(0, n, k)])]
+    room, totals = n // k, [0] * k
+    lpt: list[list[int]] = [[] for _ in range(k)]
+    for length, index in items:
+        b = min((b for b in range(k) if len(lpt[b]) < room), key=lambda b: (totals[b], b))
+        lpt[b].append(index)
+        totals[b] += length
+    best = min((kk, lpt), key=lambda parts: _spread_key(parts, lengths))
+    return [sorted(p) for p in _swap_refine(best, lengths)]
+
+
+def _spread_key(parts: list[list[int]], lengths: Sequence[int]) -> tuple[int, int]:
+    totals = [sum(int(lengths[i]) for i in p) for p in parts]
+    return max(totals), max(totals) - min(totals)
+
+
+def _swap_refine(parts: list[list[int]], lengths: Sequence[int], max_rounds: int = 64) -> list[list[int]]:
+    """Swap one item of the heaviest part for one of the lightest while that lowers their
+    difference (counts unchanged); stops at a local optimum or after `max_rounds` swaps."""
+    parts = [list(p) for p in parts]
+    totals = [sum(int(lengths[i]) for i in p) for p in parts]
+    for _ in range(max_rounds):
+        h = max(range(len(parts)), key=lambda b: (totals[b], -b))
+        lo = min(range(len(parts)), key=lambda b: (totals[b], b))
+        gap = totals[h] - totals[lo]
+        if gap <= 1:
+            break
+        best, pick = gap, None
+        light = sorted(parts[lo], key=lambda i: (int(lengths[i]), i))
+        light_len = [int(lengths[i]) for i in light]
+        for a in parts[h]:
+            # the best partner b has lengths[b] closest to lengths[a] - gap / 2
+            want = int(lengths[a]) - gap / 2
+            j = bisect.bisect_left(light_len, want)
+            for jj in (j - 1, j):
+                if 0 <= jj < len(light):
+                    d = int(lengths[a]) - light_len[jj]
+                    if 0 < d < gap and abs(gap - 2 * d) < best:
+                        best, pick = abs(gap - 2 * d), (a, light[jj], d)
+        if pick is None:
+            break
+        a, b, d = pick
+        parts[h][parts[h].index(a)] = b
+        parts[lo][parts[lo].index(b)] = a
+        totals[h] -= d
+        totals[lo] += d
+    return parts
 
 
 def dynamic_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:

@@ -129,6 +129,16 @@ def broadcast_object(obj):
     return box[0]
 
 
+def all_gather_object(obj) -> list:
+    """Every rank's `obj` (picklable), in rank order."""
+    ws = world()[1]
+    if ws == 1:
+        return [obj]
+    out = [None] * ws
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def masked_whiten_global(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """Whiten with mean and variance over all ranks' masked entries, so that a sharded batch
     gets exactly the advantages the whole batch would get in one process."""

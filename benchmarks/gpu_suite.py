@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_suite.py single --out DIR   # GPU 0: update variants; GPU 1: rollout, then more update
     python benchmarks/gpu_suite.py multi --out DIR    # both GPUs: torchrun ZeRO-2 / ZeRO-3, reference config
+    python benchmarks/gpu_suite.py balanced --out DIR # rollout + 1-GPU update, then 2 GPUs balanced vs contiguous
 
 `single` needs one GPU (runs its two lanes one after the other) or two (side by side, one
 process per GPU: they share no device). Every lane has a deadline so that whatever
@@ -174,6 +175,24 @@ def epochs1(out: Path, budget: float) -> None:
     side_by_side(gpu0, gpu1, out, deadline, fall_back=False)
 
 
+def balanced(out: Path, budget: float) -> None:
+    """GPU 0 measures the one-GPU update (packed, one pass) while GPU 1 runs the rollout
+    benchmark; then both GPUs run the same global batch with ZeRO-0 split by token count
+    (`trainer.balance_batch`, the default), split contiguously, and with ZeRO-2 balanced."""
+    t0 = time.time()
+    ub = [PY, "benchmarks/update_throughput.py"]
+    gpu0 = [(ub + ["--variants", "packed", "--warmup", "1", "--steps", "2",
+                   "--out", str(out / "update_1gpu_packed_h200.json")], 200)]
+    gpu1 = [([PY, "benchmarks/rollout_throughput.py", "--out", str(out / "rollout_h200.json")], 280)]
+    side_by_side(gpu0, gpu1, out, t0 + 0.52 * budget, fall_back=False)
+    tr = [*TWO_RANKS, "--warmup", "1", "--steps", "2", "--variant", "packed"]
+    lane([(tr + ["--zero", "0", "--out", str(out / "update_2gpu_zero0_balanced_h200.json")], 90),
+          (tr + ["--zero", "0", "--override", "trainer.balance_batch=false",
+                 "--out", str(out / "update_2gpu_zero0_contiguous_h200.json")], 90),
+          (tr + ["--zero", "2", "--out", str(out / "update_2gpu_zero2_balanced_h200.json")], 90)],
+         "0,1", out / "multi.log", t0 + budget).wait()
+
+
 def report(out: Path) -> None:
     """One line per results file: the summary, or each variant's tokens/s, MFU and error."""
     import json
@@ -198,7 +217,7 @@ def report(out: Path) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("what", choices=("single", "multi", "final", "diagnose", "fixed", "epochs1", "report"))
+    p.add_argument("what", choices=("single", "multi", "final", "diagnose", "fixed", "epochs1", "balanced", "report"))
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_suite"))
     p.add_argument("--budget", type=float, default=560.0, help="seconds until every lane stops")
     p.add_argument("--tiny", action="store_true", help="CPU-sized commands, to check the suite itself")
@@ -208,7 +227,9 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if a.what == "report":
         return report(out)
-    {"single": single, "multi": multi, "final": final, "diagnose": diagnose, "fixed": fixed, "epochs1": epochs1}[a.what](out, a.budget)
+    suites = {"single": single, "multi": multi, "final": final, "diagnose": diagnose, "fixed": fixed,
+              "epochs1": epochs1, "balanced": balanced}
+    suites[a.what](out, a.budget)
     report(out)
 
 

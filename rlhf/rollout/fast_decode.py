@@ -11,8 +11,10 @@ with the decode loop rebuilt around what a GPU needs:
   copies its keys and values into the rows of its `n` responses, so a prompt costs one
   forward however many samples it gets;
 - a decode step attends to each row's own length only (flash-attention's `seqused_k`;
-  SDPA with a length mask where flash is unavailable) and is replayed from a CUDA graph,
-  so the ~20 kernels per layer launch as one graph; sampling stays outside the graph.
+  SDPA with a length mask where flash is unavailable); the query heads that share a KV
+  head run as one block of queries, so each key is read once per KV head;
+- the step is replayed from a CUDA graph, so the ~20 kernels per layer launch as one graph;
+- sampling stays outside the graph and reads the logits once (`fused_sampling.py`).
 
 The model's own modules run the forward: an attention function registered as
 `rlhf_static_kv` reads and writes the buffers of the step in progress. A module shared
@@ -29,6 +31,7 @@ import torch
 import torch.nn.functional as nnf
 
 from rlhf.rollout.base import RolloutBatch, SamplingParams
+from rlhf.rollout.fused_sampling import fused_applies, fused_available, fused_sample
 from rlhf.rollout.hf import HFRolloutEngine, check_params, cut_at_stop, resolve_device, sample_next
 
 STATIC_KV_ATTENTION = "rlhf_static_kv"
@@ -53,6 +56,8 @@ class _Step:
     used: Optional[torch.Tensor] = None  # decode: (rows,) int32 keys per row, the new one included
     kv_window: int = 0  # decode on SDPA: attend to the first kv_window positions only
     flash: bool = True
+    group: bool = True  # decode on flash: a KV head's query heads as one block of queries
+    cu_group: Optional[torch.Tensor] = None  # decode, grouped: (rows+1,) int32, arange(rows+1) * G
 
 
 def static_kv_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -78,12 +83,45 @@ def static_kv_attention(module, query, key, value, attention_mask, dropout: floa
     kc.index_copy_(0, step.write, key[:, :, 0])
     vc.index_copy_(0, step.write, value[:, :, 0])
     if q.is_cuda and step.flash:
-        out = torch.ops.aten._flash_attention_forward(
-            q, kc, vc, step.cu_q, step.cu_k, 1, step.max_len, 0.0, False, False, scale=scale,
-            seqused_k=step.used)[0]  # (B, Hq, D)
+        out = _decode_flash(q, kc, vc, step, scale)
     else:
         out = _decode_sdpa(q, kc, vc, step, scale)
     return out[:, None], None
+
+
+def group_queries(q: torch.Tensor, hkv: int) -> torch.Tensor:
+    """(B, Hq, D) -> (B * G, Hkv, D) with G = Hq / Hkv: the G query heads that share a KV
+    head become G query positions of that head (query head h reads KV head h // G, as
+    transformers' `repeat_kv` lays them out)."""
+    B, Hq, D = q.shape
+    return q.view(B, hkv, Hq // hkv, D).transpose(1, 2).reshape(B * (Hq // hkv), hkv, D)
+
+
+def ungroup_queries(out: torch.Tensor, rows: int) -> torch.Tensor:
+    """Inverse of `group_queries`: (B * G, Hkv, D) -> (B, Hkv * G, D)."""
+    g = out.shape[0] // rows
+    return out.view(rows, g, out.shape[1], out.shape[2]).transpose(1, 2).reshape(rows, -1, out.shape[2])
+
+
+def _decode_flash(q, kc, vc, step: _Step, scale: float) -> torch.Tensor:
+    """One query per row against its first `used` keys with flash-attention's varlen kernel:
+    (B, Hq, D) -> (B, Hq, D). With `step.group` (grouped-query models) the query heads
+    of a KV head run as one block of G non-causal queries, so each key and value is read
+    once per KV head instead of once per query head."""
+    if not step.group or q.shape[1] == kc.shape[1]:
+        return _flash_varlen(q, kc, vc, step.cu_q, step.cu_k, 1, step.max_len, scale, step.used)
+    rows, hkv = q.shape[0], kc.shape[1]
+    g = q.shape[1] // hkv
+    cu_group = step.cu_group if step.cu_group is not None else step.cu_q * g
+    out = _flash_varlen(group_queries(q, hkv), kc, vc, cu_group, step.cu_k, g, step.max_len, scale, step.used)
+    return ungroup_queries(out, rows)
+
+
+def _flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, used) -> torch.Tensor:
+    """Non-causal variable-length flash attention: sequence i's queries cu_q[i]:cu_q[i+1]
+    attend to keys cu_k[i]:cu_k[i] + used[i]; query head h reads KV head h // (Hq / Hkv)."""
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, False, False,
+                                                   scale=scale, seqused_k=used)[0]
 
 
 def _decode_sdpa(q, kc, vc, step: _Step, scale: float) -> torch.Tensor:
@@ -117,10 +155,15 @@ class FastHFRolloutEngine(HFRolloutEngine):
 
     `decode_attention`: "auto" (flash on a GPU that has it, else SDPA), "flash" or "sdpa".
     `cuda_graphs`: replay each decode step from a captured graph (GPU only).
+    `group_decode_queries`: on flash, run the query heads that share a KV head as one block
+    of queries (reads each key once per KV head, not once per query head).
+    `fused_sampling`: draw tokens with the one-pass Triton sampler (`fused_sampling.py`) where
+    it applies (CUDA with Triton, no top-k / top-p filtering); else `sample_next`.
     """
 
     def __init__(self, model, tokenizer, batch_size: int = 1024, device: str | torch.device | None = None,
-                 seed: int = 0, cuda_graphs: bool = True, decode_attention: str = "auto", kv_window_step: int = 128):
+                 seed: int = 0, cuda_graphs: bool = True, decode_attention: str = "auto", kv_window_step: int = 128,
+                 group_decode_queries: bool = True, fused_sampling: bool = True):
         if batch_size < 1:
             raise ValueError(f"FastHFRolloutEngine batch_size must be >= 1, got {batch_size}")
         if tokenizer.eos_token_id is None:
@@ -136,6 +179,8 @@ class FastHFRolloutEngine(HFRolloutEngine):
         self.flash = flash_available(self.device) if decode_attention == "auto" else decode_attention == "flash"
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.kv_window_step = kv_window_step
+        self.group_decode_queries = group_decode_queries
+        self.fused_sampling = fused_sampling
         self.stats: dict[str, float] = {}
         self.model = None
         self.set_model(model)
@@ -198,7 +243,10 @@ class FastHFRolloutEngine(HFRolloutEngine):
         t0 = time.perf_counter()
         logits = self._prefill(prompts, keys, values, max_len, n)  # (P, V) last-prompt-token logits
         row_len = lens.repeat_interleave(n)  # (rows,) tokens held per row
-        step = _Step(keys, values, rows, max_len, prefill=False, flash=self.flash,
+        cfg = self.model.config.get_text_config()
+        group = cfg.num_attention_heads // (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        step = _Step(keys, values, rows, max_len, prefill=False, flash=self.flash, group=self.group_decode_queries,
+                     cu_group=torch.arange(rows + 1, dtype=torch.int32, device=dev) * group,
                      cu_q=torch.arange(rows + 1, dtype=torch.int32, device=dev),
                      cu_k=(torch.arange(rows + 1, device=dev) * max_len).to(torch.int32),
                      write=torch.arange(rows, device=dev) * max_len + row_len, used=(row_len + 1).to(torch.int32))
@@ -212,8 +260,13 @@ class FastHFRolloutEngine(HFRolloutEngine):
         stop = torch.tensor(self.stop_ids, device=dev)
         tokens, logprobs = [], []
         graphs: dict[int, tuple] = {}
+        fused = self.fused_sampling and fused_available(dev) and fused_applies(params.top_k, params.top_p,
+                                                                                 logits.shape[-1])
         for t in range(params.max_tokens):
-            tok, lp = sample_next(logits, params, generator)
+            if fused:
+                tok, lp = fused_sample(logits, params.temperature, generator)
+            else:
+                tok, lp = sample_next(logits, params, generator)
             tok = tok.masked_fill(done, self.pad_id)
             tokens.append(tok)
             logprobs.append(lp)
@@ -230,8 +283,12 @@ class FastHFRolloutEngine(HFRolloutEngine):
             torch.cuda.synchronize(dev)
         t2 = time.perf_counter()
         self.stats = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "steps": len(tokens), "rows": rows,
-                      "max_len": max_len, "graphs": len(graphs)}
-        out = cut_at_stop(torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist(), self.stop_ids)
+                      "max_len": max_len, "graphs": len(graphs), "fused_sampling": fused}
+        lps = torch.stack(logprobs, 1)
+        if fused and not bool(torch.isfinite(lps).all()):  # sample_next raises on such logits itself
+            raise FloatingPointError("the policy's logits were NaN or inf while sampling: the rollout's log-probs "
+                                     "are not finite (check the weights the engine was given)")
+        out = cut_at_stop(torch.stack(tokens, 1).tolist(), lps.tolist(), self.stop_ids)
         del keys, values, graphs
         return out
 

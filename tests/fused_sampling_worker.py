@@ -1,0 +1,88 @@
+"""Runs the one-pass sampler under Triton's interpreter (TRITON_INTERPRET=1 must be set
+before Triton is imported, hence a process of its own) and prints what
+tests/test_fused_sampling.py checks, as JSON on the last line of stdout."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from rlhf.rollout.fused_sampling import BLOCK, fused_applies, fused_available, fused_sample  # noqa: E402
+
+
+def logits_of(rows, vocab, seed=0, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, vocab, generator=g) * scale).to(torch.bfloat16)
+
+
+def main() -> dict:
+    out: dict = {"available_on_cpu": fused_available(torch.device("cpu")), "block": BLOCK}
+    out["applies"] = [fused_applies(-1, 1.0, 100), fused_applies(100, 1.0, 100), fused_applies(50, 1.0, 100),
+                      fused_applies(-1, 0.9, 100)]
+    out["greedy"] = {}
+    for vocab in (7, BLOCK, 2 * BLOCK + 3):
+        x = logits_of(5, vocab)
+        tok, lp = fused_sample(x, 0.0, torch.Generator().manual_seed(0))
+        ref = torch.log_softmax(x.float(), -1).gather(-1, tok[:, None]).squeeze(-1)
+        out["greedy"][vocab] = {"same_as_argmax": tok.tolist() == x.float().argmax(-1).tolist(),
+                                "max_lp_gap": float((lp - ref).abs().max())}
+    out["sampled"] = {}
+    for t in (0.7, 1.0, 1.5):
+        x = logits_of(6, 5000, seed=1)
+        tok, lp = fused_sample(x, t, torch.Generator().manual_seed(3))
+        ref = torch.log_softmax(x.float() / t, -1).gather(-1, tok[:, None]).squeeze(-1)
+        out["sampled"][t] = {"max_lp_gap": float((lp - ref).abs().max()), "dtypes": [str(tok.dtype), str(lp.dtype)]}
+    row = torch.tensor([0.0, 1.0, 2.0, -1.0, 0.5, 3.0])
+    x = row.repeat(4000, 1).to(torch.bfloat16)
+    tok, _ = fused_sample(x, 1.5, torch.Generator().manual_seed(7))
+    out["freq"] = (torch.bincount(tok, minlength=6).double() / len(tok)).tolist()
+    out["softmax"] = torch.softmax(x[0].double() / 1.5, -1).tolist()
+    x = logits_of(64, 300, seed=2, scale=0.5)
+    a, _ = fused_sample(x, 1.0, torch.Generator().manual_seed(5))
+    b, _ = fused_sample(x, 1.0, torch.Generator().manual_seed(5))
+    g = torch.Generator().manual_seed(5)
+    c, _ = fused_sample(x, 1.0, g)
+    d, _ = fused_sample(x, 1.0, g)
+    out["seeded"] = {"same_seed_same_draws": a.tolist() == b.tolist() == c.tolist(),
+                     "generator_moves_on": d.tolist() != c.tolist(),
+                     "distinct_tokens_of_64_identical_rows": len(set(fused_sample(x[:1].repeat(64, 1), 1.0, g)[0]
+                                                                     .tolist()))}
+    out["engine"] = engine_checks()
+    return out
+
+
+def engine_checks() -> dict:
+    """FastHFRolloutEngine on a tiny model with the kernel: greedy against the plain engine."""
+    from tests.test_fast_paths import _qwen
+
+    from rlhf.models.tokenizer import build_char_tokenizer
+    from rlhf.rollout.base import SamplingParams
+    from rlhf.rollout.fast_decode import FastHFRolloutEngine
+    from rlhf.rollout.hf import HFRolloutEngine
+
+    tok = build_char_tokenizer()
+    model = _qwen(vocab=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    greedy = SamplingParams(n=2, temperature=0.0, max_tokens=6)
+    engine = FastHFRolloutEngine(model, tok, batch_size=6)
+    got = engine.generate(prompts, greedy)
+    out = {"fused_greedy": engine.stats["fused_sampling"]}
+    want = HFRolloutEngine(model, tok, batch_size=6).generate(prompts, greedy)
+    out["greedy_same_tokens"] = got.response_ids == want.response_ids
+    out["greedy_max_lp_gap"] = max(abs(a - b) for ra, rb in zip(got.logprobs, want.logprobs) for a, b in zip(ra, rb))
+    sampled = SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=4)
+    out["sampled_repeats"] = engine.generate(prompts, sampled).response_ids == engine.generate(prompts, sampled).response_ids
+    engine.generate(prompts, SamplingParams(n=2, temperature=1.0, top_p=0.9, max_tokens=6, seed=4))
+    out["fused_with_top_p"] = engine.stats["fused_sampling"]
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main()))

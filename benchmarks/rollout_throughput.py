@@ -19,6 +19,7 @@ rows actually ran.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -68,11 +69,13 @@ def run_engine(name: str, model, tok, prompts, a, device) -> dict:
     if name.startswith("fast"):
         from rlhf.rollout.fast_decode import FastHFRolloutEngine
 
-        attn = {"fast_sdpa": "sdpa", "fast_triton": "triton", "fast_flash": "flash"}.get(name, "auto")
+        attn = {"fast_sdpa": "sdpa", "fast_triton": "triton", "fast_flash": "flash",
+                "fast_per_head": "flash"}.get(name, "auto")
         engine = FastHFRolloutEngine(model, tok, batch_size=a.batch, device=device, seed=a.seed,
                                      cuda_graphs=name != "fast_eager", decode_attention=attn,
                                      group_decode_queries=name != "fast_per_head",
-                                     fused_sampling=name != "fast_torch_sampling")
+                                     fused_sampling=name != "fast_torch_sampling",
+                                     fused_ops=name != "fast_unfused_ops")
     else:
         from rlhf.rollout.hf import HFRolloutEngine
 
@@ -222,7 +225,7 @@ def decode_breakdown(model, prompt_lens: list[int], a, device) -> dict:
     return out
 
 
-def step_profile(model, tok, prompt_lens: list[int], a, device, attention: str) -> dict:
+def step_profile(model, tok, prompt_lens: list[int], a, device, attention: str, fused_ops: bool) -> dict:
     """One whole decode step of the model at the workload's half-way contexts: eager and
     CUDA-graph milliseconds, and device time per step by kernel (torch.profiler, eager)."""
     from torch.autograd import DeviceType
@@ -247,9 +250,12 @@ def step_profile(model, tok, prompt_lens: list[int], a, device, attention: str) 
     register_static_kv_attention()
     previous = model.config._attn_implementation
     model.set_attn_implementation(STATIC_KV_ATTENTION)
-    out: dict = {"attention": attention, "rows": rows}
+    out: dict = {"attention": attention, "fused_ops": fused_ops, "rows": rows}
+    from rlhf.rollout.fused_ops import fused_decode_ops
+
+    fused = fused_decode_ops(model) if fused_ops else contextlib.nullcontext()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), fused:
             out["eager_ms"] = _device_ms(lambda: engine._forward(step, tok_in, pos_in), device, reps=5)
             graph, _ = engine._capture(step, tok_in, pos_in)
             out["graph_ms"] = _device_ms(graph.replay, device, reps=10)
@@ -285,7 +291,7 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="1.5b", choices=sorted(G.SHAPES))
     p.add_argument("--tiny", action="store_true")
-    p.add_argument("--engines", default="fast,fast_triton,fast_per_head,fast_torch_sampling,fast_sdpa,generate")
+    p.add_argument("--engines", default="fast,fast_unfused_ops,fast_torch_sampling,fast_flash,fast_sdpa,generate")
     p.add_argument("--prompts", type=int, default=256)
     p.add_argument("--rollout-n", dest="n", type=int, default=4, help="samples per prompt")
     p.add_argument("--max-prompt", type=int, default=512)
@@ -330,13 +336,14 @@ def main(argv=None) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         result["step_profile"] = {}
-        for attention in ("flash", "triton"):
+        for attention, fused_ops in (("triton", True), ("triton", False), ("flash", False)):
+            key = attention + ("+fused_ops" if fused_ops else "")
             try:
-                result["step_profile"][attention] = step_profile(model, tok, p_lens, a, device, attention)
+                result["step_profile"][key] = step_profile(model, tok, p_lens, a, device, attention, fused_ops)
             except Exception as e:
-                result["step_profile"][attention] = {"error": f"{type(e).__name__}: {e}",
-                                                     "traceback": traceback.format_exc()[-3000:]}
-            print("step_profile", attention, json.dumps(result["step_profile"][attention])[:1500], flush=True)
+                result["step_profile"][key] = {"error": f"{type(e).__name__}: {e}",
+                                               "traceback": traceback.format_exc()[-3000:]}
+            print("step_profile", key, json.dumps(result["step_profile"][key])[:1500], flush=True)
             torch.cuda.empty_cache()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -370,10 +377,12 @@ def main(argv=None) -> None:
         e = result["engines"][best]
         summary.update(best_fast=best, best_fast_decode_fraction_of_roofline=e.get("decode_fraction_of_roofline"),
                        best_fast_end_to_end_fraction_of_roofline=e.get("fraction_of_roofline_end_to_end"))
-    if "fast_over_generate" in summary and best:
-        summary["targets"] = {
+    fast = result["engines"].get("fast", {})
+    if "fast_over_generate" in summary and fast.get("decode_fraction_of_roofline") is not None:
+        summary["fast_decode_fraction_of_roofline"] = fast["decode_fraction_of_roofline"]
+        summary["targets"] = {  # the engine's defaults ("fast")
             "fast_over_generate_at_least_3x": summary["fast_over_generate"] >= 3.0,
-            "decode_at_least_40pct_of_roofline": (summary["best_fast_decode_fraction_of_roofline"] or 0) >= 0.40}
+            "decode_at_least_40pct_of_roofline": fast["decode_fraction_of_roofline"] >= 0.40}
     result["summary"] = summary
     G.write_json(a.out, result)
     print(json.dumps(summary, indent=1))

@@ -77,3 +77,15 @@ def test_decode_attention_matches_sdpa_at_every_row_length(res):
 def test_the_fast_engine_decodes_with_the_triton_attention(res):
     e = res["engine"]
     assert e["triton_attention_greedy_same_tokens"] and e["triton_attention_greedy_max_lp_gap"] < 1e-5
+
+
+def test_fused_decode_ops_match_the_transformers_code(res):
+    f = res["fused_ops"]
+    # The kernels round where the transformers code rounds, but Triton's interpreter casts
+    # float32 to bf16 by truncation (a GPU rounds to nearest): bounds of about one bf16 ulp
+    # of the values (|rope| < 8 here: ulp 2^-5), far below a wrong formula's error.
+    assert f["rope_max_abs"] < 8 and f["rope_bf16_max_diff"] <= 2 ** -4 and f["rope_swapped_cos_sin_diff"] > 0.5
+    assert f["silu_mul_bf16_max_diff"] <= 2 ** -3 and f["rms_norm_bf16_max_diff"] <= 2 ** -3  # values up to ~10
+    assert f["swapped"]["rms_norm"] == 2 * 2 + 1 and f["swapped"]["mlp"] == 2 and f["swapped"]["rope_modules"] == 1
+    assert f["model_decode_max_diff"] < 1e-5 and f["model_prefill_max_diff"] < 1e-5
+    assert f["restored"]

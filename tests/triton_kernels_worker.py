@@ -59,6 +59,7 @@ def main() -> dict:
                      "distinct_tokens_of_64_identical_rows": len(set(fused_sample(x[:1].repeat(64, 1), 1.0, g)[0]
                                                                      .tolist()))}
     out["decode_attention"] = decode_attention_checks()
+    out["fused_ops"] = fused_ops_checks()
     out["engine"] = engine_checks()
     return out
 
@@ -82,6 +83,47 @@ def decode_attention_checks() -> dict:
         shuffled = triton_decode(q, kc, vc, used.flip(0), max_len, 0.3)  # lengths matter
         res[f"{hq}/{hkv}/{d}"] = {"max_abs_diff": float((got - want).abs().max()),
                                   "wrong_lengths_diff": float((shuffled - want).abs().max())}
+    return res
+
+
+def fused_ops_checks() -> dict:
+    """RMSNorm / SiLU gate / rotary kernels against the transformers code they stand in for."""
+    import torch.nn.functional as nnf
+    import transformers.models.qwen2.modeling_qwen2 as qwen2
+
+    from rlhf.rollout.fused_ops import fused_decode_ops, rms_norm, rope_one_position, silu_mul
+    from tests.test_fast_paths import _qwen
+
+    g = torch.Generator().manual_seed(0)
+    res: dict = {}
+    x = torch.randn(7, 1, 48, generator=g).to(torch.bfloat16) * 3
+    norm = qwen2.Qwen2RMSNorm(48, eps=1e-6).to(torch.bfloat16)
+    norm.weight.data = torch.randn(48, generator=g).to(torch.bfloat16)
+    res["rms_norm_bf16_max_diff"] = float((rms_norm(x, norm.weight, 1e-6).float() - norm(x).float()).abs().max())
+    gate, up = (torch.randn(5, 300, generator=g).to(torch.bfloat16) for _ in range(2))
+    res["silu_mul_bf16_max_diff"] = float((silu_mul(gate, up).float() - (nnf.silu(gate) * up).float()).abs().max())
+    q = torch.randn(6, 1, 4, 16, generator=g).to(torch.bfloat16).transpose(1, 2)  # (B, H, 1, D) as attention has it
+    k = torch.randn(6, 1, 2, 16, generator=g).to(torch.bfloat16).transpose(1, 2)
+    ang = torch.rand(6, 1, 8, generator=g) * 6
+    cos, sin = (torch.cat([f(ang), f(ang)], -1).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+    want_q, want_k = qwen2.apply_rotary_pos_emb(q, k, cos, sin)
+    got_q, got_k = rope_one_position(q, k, cos, sin)
+    res["rope_bf16_max_diff"] = max(float((a.float() - b.float()).abs().max())
+                                    for a, b in ((got_q, want_q), (got_k, want_k)))
+    res["rope_max_abs"] = float(want_q.float().abs().max())
+    res["rope_swapped_cos_sin_diff"] = float((rope_one_position(q, k, sin, cos)[0].float() - want_q.float()).abs().max())
+    model = _qwen()
+    ids, pos = torch.randint(3, 60, (6, 1), generator=g), torch.randint(0, 30, (6, 1), generator=g)
+    with torch.no_grad():
+        want = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        with fused_decode_ops(model) as counts:
+            got = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+            prefill = model(input_ids=ids.T, use_cache=False).logits  # 6 positions: the original rotary
+        res["swapped"] = counts
+        res["model_decode_max_diff"] = float((got - want).abs().max())
+        res["model_prefill_max_diff"] = float((prefill - model(input_ids=ids.T, use_cache=False).logits).abs().max())
+    res["restored"] = not getattr(qwen2.apply_rotary_pos_emb, "rlhf_fused", False) and \
+        not any("forward" in m.__dict__ for m in model.modules())
     return res
 
 

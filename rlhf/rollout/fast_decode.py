@@ -14,6 +14,9 @@ with the decode loop rebuilt around what a GPU needs:
   SDPA with a length mask where flash is unavailable); the query heads that share a KV
   head run as one block of queries, so each key is read once per KV head;
 - the step is replayed from a CUDA graph, so the ~20 kernels per layer launch as one graph;
+- RMSNorm, the SiLU gate and the rotary embedding run as one Triton kernel each
+  (`fused_ops.py`), the decode attention as one Triton kernel per layer
+  (`decode_attention.py`);
 - sampling stays outside the graph and reads the logits once (`fused_sampling.py`).
 
 The model's own modules run the forward: an attention function registered as
@@ -23,6 +26,7 @@ with a trainer is switched back to its previous attention when `generate` return
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 from typing import Optional
@@ -32,6 +36,7 @@ import torch.nn.functional as nnf
 
 from rlhf.rollout.base import RolloutBatch, SamplingParams
 from rlhf.rollout.decode_attention import triton_decode, triton_decode_available
+from rlhf.rollout.fused_ops import fused_decode_ops, fused_ops_available
 from rlhf.rollout.fused_sampling import fused_applies, fused_available, fused_sample
 from rlhf.rollout.hf import HFRolloutEngine, check_params, cut_at_stop, resolve_device, sample_next
 
@@ -157,18 +162,22 @@ class FastHFRolloutEngine(HFRolloutEngine):
     """`RolloutEngine` over a transformers causal LM held in this process (one GPU, or CPU
     without graphs for testing). `batch_size` counts sequences (prompts x n) decoded together.
 
-    `decode_attention`: "auto" (flash on a GPU that has it, else SDPA), "flash", "sdpa" or
-    "triton" (`decode_attention.py`: each row's keys read once per KV head in one kernel).
+    `decode_attention`: "auto" (on a GPU: triton where Triton is installed, else flash where
+    available; SDPA on a CPU), "flash", "sdpa" or "triton" (`decode_attention.py`: each row's
+    keys read once per KV head in one kernel). Prefill uses flash's varlen kernel where it
+    can, except with "sdpa".
     `cuda_graphs`: replay each decode step from a captured graph (GPU only).
     `group_decode_queries`: on flash, run the query heads that share a KV head as one block
     of queries (reads each key once per KV head, not once per query head).
     `fused_sampling`: draw tokens with the one-pass Triton sampler (`fused_sampling.py`) where
     it applies (CUDA with Triton, no top-k / top-p filtering); else `sample_next`.
+    `fused_ops`: on CUDA with Triton, run RMSNorm, the SiLU gate and the rotary embedding of
+    the decode steps as one kernel each (`fused_ops.py`).
     """
 
     def __init__(self, model, tokenizer, batch_size: int = 1024, device: str | torch.device | None = None,
                  seed: int = 0, cuda_graphs: bool = True, decode_attention: str = "auto", kv_window_step: int = 128,
-                 group_decode_queries: bool = True, fused_sampling: bool = True):
+                 group_decode_queries: bool = True, fused_sampling: bool = True, fused_ops: bool = True):
         if batch_size < 1:
             raise ValueError(f"FastHFRolloutEngine batch_size must be >= 1, got {batch_size}")
         if tokenizer.eos_token_id is None:
@@ -181,14 +190,20 @@ class FastHFRolloutEngine(HFRolloutEngine):
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.flash = flash_available(self.device) if decode_attention == "auto" else decode_attention == "flash"
+        if decode_attention == "auto":  # measured on an H200: triton 3.6 ms, flash 7.0 ms, SDPA 9.2 ms per step
+            decode_attention = "triton" if self.device.type == "cuda" and triton_decode_available(self.device) \
+                else "flash" if flash_available(self.device) else "sdpa"
+        self.decode_attention = decode_attention
+        self.flash = decode_attention == "flash"
         self.triton = decode_attention == "triton"
         if self.triton and not triton_decode_available(self.device):
             raise ValueError("decode_attention='triton' needs Triton and a CUDA device")
+        self.prefill_flash = decode_attention != "sdpa" and flash_available(self.device)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.kv_window_step = kv_window_step
         self.group_decode_queries = group_decode_queries
         self.fused_sampling = fused_sampling
+        self.fused_ops = fused_ops
         self.stats: dict[str, float] = {}
         self.model = None
         self.set_model(model)
@@ -203,8 +218,10 @@ class FastHFRolloutEngine(HFRolloutEngine):
         generator = self.generator
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        fused = fused_decode_ops(self.model) if self.fused_ops and fused_ops_available(self.device) \
+            else contextlib.nullcontext()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), fused:
                 results = self._generate(prompts, params, generator)
         finally:
             self.model.set_attn_implementation(previous)
@@ -321,7 +338,7 @@ class FastHFRolloutEngine(HFRolloutEngine):
             first_row = (torch.arange(start, end, device=dev) * n).repeat_interleave(lens)  # (T,)
             dests = [(first_row + c) * max_len + pos[0] for c in range(n)]
             _STEP.current = _Step(keys, values, 0, max_len, prefill=True, dests=dests, cu_q=cu,
-                                  max_q=max(len(p) for p in chunk), flash=self.flash)
+                                  max_q=max(len(p) for p in chunk), flash=self.prefill_flash)
             try:
                 o = self.model(input_ids=ids, position_ids=pos, use_cache=False,
                                logits_to_keep=(cu[1:] - 1).long())

@@ -93,6 +93,7 @@ def test_bf16_engine_at_stage_0_runs_master_adam_and_resumes_exactly(tmp_path):
 
     eng = engine(0)
     assert isinstance(eng.optimizer, MasterAdamW) and not eng.enable_backward_allreduce
+    assert eng.communication_data_type == torch.bfloat16  # gradients reduced in bf16, not cast to float32
     x = torch.randn(4, 8, dtype=torch.bfloat16)
     for _ in range(2):
         eng.backward(eng.module(x).float().pow(2).mean(), scale_wrt_gas=False)

@@ -88,6 +88,9 @@ def _client_master_optimizer(ds_cfg: dict, params: list) -> tuple[dict, object]:
                       weight_decay=adam["weight_decay"], max_grad_norm=ds_cfg.get("gradient_clipping", 0.0))
     cfg = {k: v for k, v in ds_cfg.items() if k != "optimizer"}
     cfg.update(bf16={"enabled": False}, gradient_clipping=0.0)  # the parameters stay bf16; clipping is the optimizer's
+    # Without DeepSpeed's bf16 mode its all-reduce would cast the bf16 gradients to float32
+    # (twice the bytes); reduce them in bf16, as that mode does.
+    cfg.setdefault("communication_data_type", "bf16")
     return cfg, opt
 
 

@@ -148,7 +148,7 @@ class CriticConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    name: str = "hf"  # "hf" | "hf_fast" (static cache + CUDA graphs) | "vllm"
+    name: str = "hf"  # "hf" | "hf_fast" (static cache, CUDA graphs, Triton kernels on GPU) | "vllm"
     n: int = 4  # responses per prompt
     temperature: float = 1.5  # sampling temperature (log-probs use the same); above 1 explores past a confident SFT start
     top_p: float = 1.0  # nucleus sampling

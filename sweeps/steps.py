@@ -183,7 +183,7 @@ def close_trial_run(cfg: PPOConfig, run_id: str, status: str, values: list[float
 def mlflow_sink(cfg: PPOConfig, **run):
     """The engine's MLflow sink for a sweep run (`run_id` resumes one): buffered under
     `trainer.output_dir` while the server does not answer, so the sweep never waits on it."""
-    from rlhf.tracking import BufferedMLflowSink
+    from rlhf.tracking_buffer import BufferedMLflowSink
 
     t = cfg.trainer
     return BufferedMLflowSink(os.path.join(t.output_dir, "mlflow_buffer"), t.mlflow_tracking_uri, t.project_name,

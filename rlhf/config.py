@@ -240,6 +240,28 @@ class PPOConfig:
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
 
+    @classmethod
+    def from_json(cls, text: str) -> "PPOConfig":
+        """The config `pyflyte run ... --cfg FILE|JSON` builds (flytekit's click type for a
+        dataclass input calls `from_json` with the parsed file). Unknown keys raise
+        `ConfigError`; the values convert exactly as flytekit's own dataclass decoding
+        (dataclasses_json, which keeps unknown keys out silently) converts them."""
+        data = json.loads(text)
+        try:
+            check_keys(data)
+        except ConfigError as e:
+            raise _option_error(str(e)) from None
+        from dataclasses_json import DataClassJsonMixin  # present wherever flytekit is
+
+        return DataClassJsonMixin.from_dict.__func__(cls, data)
+
+    @classmethod
+    def __pre_deserialize__(cls, d: dict) -> dict:
+        """mashumaro's hook, run when flytekit decodes a config input in a task: the same key
+        check, for a config launched from outside Python (console, flytectl)."""
+        check_keys(d, "cfg input")
+        return d
+
 
 _CHOICES: dict[str, tuple[str, ...]] = {
     "data.prompt_format": ("text", "chat"),
@@ -289,10 +311,81 @@ def all_keys(cls: type = PPOConfig, prefix: str = "") -> list[str]:
     return list(_all_keys(cls, prefix))
 
 
-def _unknown(key: str, valid: list[str], where: str) -> ConfigError:
+@functools.lru_cache(maxsize=None)
+def _sections(cls: type, prefix: str) -> tuple[str, ...]:
+    hints = _hints(cls)
+    out: list[str] = []
+    for f in fields(cls):
+        if is_dataclass(hints[f.name]):
+            out += [f"{prefix}{f.name}", *_sections(hints[f.name], f"{prefix}{f.name}.")]
+    return tuple(out)
+
+
+def _key_names() -> list[str]:
+    """Every dotted leaf key and section name, the candidates an unknown key is matched to."""
+    return [*_all_keys(PPOConfig, ""), *_sections(PPOConfig, "")]
+
+
+@functools.lru_cache(maxsize=None)
+def _shape(cls: type) -> tuple[frozenset[str], tuple[tuple[str, type], ...]]:
+    """The field names of a section and its nested sections (name, class)."""
+    hints = _hints(cls)
+    return (frozenset(f.name for f in fields(cls)),
+            tuple((f.name, hints[f.name]) for f in fields(cls) if is_dataclass(hints[f.name])))
+
+
+def _first_unknown(cls: type, data: dict, prefix: str) -> str | None:
+    names, nested = _shape(cls)
+    if not names.issuperset(data):
+        return next(f"{prefix}{k}" for k in data if k not in names)
+    for name, sub in nested:
+        section = data.get(name)
+        if isinstance(section, dict):
+            found = _first_unknown(sub, section, f"{prefix}{name}.")
+            if found is not None:
+                return found
+    return None
+
+
+def check_keys(data: Any, source: str = "") -> None:
+    """Raise `ConfigError` when the nested mapping `data` holds a key that is no field of
+    `PPOConfig` (at any depth), naming its dotted path and the closest valid key; `source`,
+    if given, says where the mapping came from."""
+    where = f"{source}: " if source else ""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}a config must be a mapping of sections (data, actor, ...), "
+                          f"got {type(data).__name__}")
+    key = _first_unknown(PPOConfig, data, "")
+    if key is not None:
+        raise ConfigError(f"{where}unknown config key '{key}'{_hint(key, _key_names())} Correct or remove it "
+                          "(the keys are the fields of rlhf.config.PPOConfig, verl's dotted names).")
+
+
+@functools.lru_cache(maxsize=None)
+def _option_error_class() -> type[ConfigError]:
+    try:
+        import click
+    except ImportError:
+        return ConfigError
+
+    class OptionConfigError(click.BadParameter, ConfigError):
+        """Shown by click as a usage error of the option ("Invalid value for '--cfg': ...")."""
+
+    return OptionConfigError
+
+
+def _option_error(message: str) -> ConfigError:
+    """A `ConfigError` that click, when it parses the option, reports without a traceback."""
+    return _option_error_class()(message)
+
+
+def _hint(key: str, valid: list[str]) -> str:
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(valid))}"
-    return ConfigError(f"unknown config key '{key}'{where}{hint}")
+    return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(valid))}."
+
+
+def _unknown(key: str, valid: list[str], where: str) -> ConfigError:
+    return ConfigError(f"unknown config key '{key}'{where}{_hint(key, valid).rstrip('.')}")
 
 
 def _coerce(key: str, value: Any, tp: Any) -> Any:
@@ -357,7 +450,7 @@ def _build(cls: type, data: dict, prefix: str = "") -> Any:
     kwargs = {}
     for k, v in data.items():
         if k not in names:
-            raise _unknown(f"{prefix}{k}", all_keys(), "")
+            raise _unknown(f"{prefix}{k}", _key_names(), "")
         t = hints[k]
         if is_dataclass(t):
             kwargs[k] = _build(t, v if v is not None else {}, f"{prefix}{k}.")

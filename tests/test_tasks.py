@@ -45,6 +45,67 @@ def test_config_and_state_cross_task_boundaries_unchanged():
     assert _round_trip(state, RoundState) == state
 
 
+def _cli_cfg(value: str):
+    """What `pyflyte run workflows/ppo.py ppo_pipeline --cfg VALUE` builds from a YAML/JSON file
+    or a JSON string (flytekit's click type for dataclass inputs)."""
+    from flytekit.interaction.click_types import JsonParamType
+
+    from rlhf.config import PPOConfig
+
+    return JsonParamType(PPOConfig).convert(value, None, None)
+
+
+def test_cli_config_with_an_unknown_key_is_refused(tmp_path):
+    """A misspelled key or section in `--cfg` stops the launch with its dotted path and the
+    closest valid name, instead of being dropped (the run going ahead with the default)."""
+    import json
+
+    from rlhf.config import ConfigError
+
+    yml = tmp_path / "my.yaml"
+    yml.write_text("trainer:\n  total_rounds: 3\nactor:\n  clip_ratoi: 0.1\n")
+    with pytest.raises(ConfigError, match=r"'actor\.clip_ratoi'.*did you mean 'actor\.clip_ratio'\? Correct or remove"):
+        _cli_cfg(str(yml))
+    js = tmp_path / "my.json"
+    js.write_text(json.dumps({"algorithm": {"kl_ctrl": {"kl_coeff": 0.1}}}))
+    with pytest.raises(ConfigError, match=r"'algorithm\.kl_ctrl\.kl_coeff'.*'algorithm\.kl_ctrl\.kl_coef'"):
+        _cli_cfg(str(js))
+    with pytest.raises(ConfigError, match=r"'algorthm'.*did you mean 'algorithm'"):
+        _cli_cfg(json.dumps({"algorthm": {"gamma": 0.9}}))
+
+
+def test_cli_config_keeps_valid_files_and_their_types(tmp_path):
+    """Valid `--cfg` values convert as before: partial JSON, ints given for floats, nulls, lists,
+    and a whole saved config (the sweep's best_config.yaml is one)."""
+    from rlhf.config import save_config
+
+    cfg = _cli_cfg('{"actor": {"lr": 1, "clip_ratio_low": null}, "trainer": {"logger": ["console", "mlflow"]}}')
+    assert cfg == load_config(None, ["actor.lr=1.0", "trainer.logger=[console,mlflow]"])
+    assert type(cfg.actor.lr) is float and cfg.actor.clip_ratio_low is None
+    whole = load_config(None, ["actor.clip_ratio=0.3", "algorithm.kl_ctrl.kl_coef=0.01", "trainer.profile_steps=[2]"])
+    save_config(whole, tmp_path / "best_config.yaml")
+    assert _cli_cfg(str(tmp_path / "best_config.yaml")) == whole
+
+
+def test_config_literal_with_an_unknown_key_is_refused():
+    """A config input built outside flytekit's encoder (a console or flytectl launch) is held to
+    the same keys when the task decodes it."""
+    import dataclasses
+
+    import msgpack
+    from flytekit import FlyteContextManager
+    from flytekit.core.type_engine import TypeEngine
+    from flytekit.models.literals import Binary, Literal, Scalar
+
+    from rlhf.config import PPOConfig
+
+    data = dataclasses.asdict(PPOConfig())
+    data["actor"]["clip_ratoi"] = 0.1
+    lit = Literal(scalar=Scalar(binary=Binary(value=msgpack.dumps(data), tag="msgpack")))
+    with pytest.raises(Exception, match=r"'actor\.clip_ratoi'.*did you mean 'actor\.clip_ratio'"):
+        TypeEngine.to_python_value(FlyteContextManager.current_context(), lit, PPOConfig)
+
+
 def test_prompt_tables_are_validated_at_the_boundary():
     import pandera.errors
 

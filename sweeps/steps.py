@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from rlhf import pipeline as P
-from rlhf.config import ConfigError, PPOConfig, flatten
+from rlhf.config import ConfigError, PPOConfig, check_keys, flatten, from_json_checked
 from rlhf.state import RoundState
 from sweeps.objective import convergence_metrics, objective, pareto_objectives
 from sweeps.space import ParamSpec, apply, check_space, default_space
@@ -38,6 +38,18 @@ class SweepConfig:
     kl_budget_weight: float = 0.5  # objective: penalty per unit of KL-budget violation
     divergence_penalty: float = 0.25  # objective: penalty when the run stopped for divergence
     score_threshold: float = 0.5  # val score that `steps_to_score` counts steps to
+
+    @classmethod
+    def from_json(cls, text: str) -> "SweepConfig":
+        """What `pyflyte run sweeps/sweep.py ppo_sweep --sweep FILE|JSON` builds: an unknown
+        key (e.g. `study.pruenr`, `space[1].hgih`) is a usage error, not silently dropped."""
+        return from_json_checked(cls, text)
+
+    @classmethod
+    def __pre_deserialize__(cls, d: dict) -> dict:
+        """The same key check when a task decodes a sweep input (console, flytectl launches)."""
+        check_keys(d, "sweep input", cls=cls)
+        return d
 
 
 @dataclass

@@ -355,3 +355,49 @@ def test_decide_deck_renders_in_headless_chromium(tmp_path):
     plot = img.crop((0, 150, img.width, 700))  # where the curves are drawn
     assert sum(1 for n in plot.histogram() if n) > 20 and len(set(top.histogram())) > 2
     print(f"deck screenshot: {shot}")
+
+
+def test_cli_sweep_with_an_unknown_key_is_refused(tmp_path):
+    """`ppo_sweep --sweep FILE` holds the sweep to its own keys, inside list entries too;
+    a valid file keeps its values and types (ParamSpec entries included)."""
+    from flytekit.interaction.click_types import JsonParamType
+
+    from rlhf.config import ConfigError
+    from sweeps.space import ParamSpec
+    from sweeps.steps import SweepConfig
+
+    def cli(value: str):
+        return JsonParamType(SweepConfig).convert(value, None, None)
+
+    yml = tmp_path / "sweep.yaml"
+    yml.write_text("n_trials: 4\nstudy:\n  pruenr: none\n")
+    with pytest.raises(ConfigError, match=r"'study\.pruenr'.*did you mean 'study\.pruner'\? Correct or remove"):
+        cli(str(yml))
+    with pytest.raises(ConfigError, match=r"'space\[1\]\.hgih'.*did you mean 'space\[1\]\.high'"):
+        cli('{"space": [{"name": "actor.clip_ratio", "low": 0.1, "high": 0.3}, {"name": "actor.lr", "hgih": 1}]}')
+    with pytest.raises(ConfigError, match=r"'n_trails'.*did you mean 'n_trials'"):
+        cli('{"n_trails": 3}')
+    ok = cli('{"n_trials": 3, "study": {"pruner": "none"}, "space": [{"name": "actor.clip_ratio", "low": 0.1, '
+             '"high": 0.3}]}')
+    assert ok.n_trials == 3 and ok.study.pruner == "none"
+    assert ok.space == [ParamSpec("actor.clip_ratio", 0.1, 0.3)] and type(ok.space[0].low) is float
+
+
+def test_sweep_literal_with_an_unknown_key_is_refused():
+    import dataclasses
+
+    import msgpack
+    from flytekit import FlyteContextManager
+    from flytekit.core.type_engine import TypeEngine
+    from flytekit.models.literals import Binary, Literal, Scalar
+
+    from sweeps.steps import SweepConfig
+
+    data = dataclasses.asdict(SweepConfig())
+    data["space"][0]["lwo"] = 0.0
+    lit = Literal(scalar=Scalar(binary=Binary(value=msgpack.dumps(data), tag="msgpack")))
+    with pytest.raises(Exception, match=r"'space\[0\]\.lwo'.*did you mean 'space\[0\]\.low'"):
+        TypeEngine.to_python_value(FlyteContextManager.current_context(), lit, SweepConfig)
+    good = dataclasses.asdict(SweepConfig())
+    lit = Literal(scalar=Scalar(binary=Binary(value=msgpack.dumps(good), tag="msgpack")))
+    assert TypeEngine.to_python_value(FlyteContextManager.current_context(), lit, SweepConfig) == SweepConfig()

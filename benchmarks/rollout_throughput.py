@@ -200,9 +200,10 @@ def decode_breakdown(model, prompt_lens: list[int], a, device) -> dict:
             out[f"{name}_max_abs_diff_vs_sdpa"] = float((got.float() - ref.float()).abs().max())
             out["attention_ms_all_layers"][name] = layers * _device_ms(lambda: _decode_flash(q, kc, vc, st, scale),
                                                                        device)
-    from rlhf.rollout.decode_attention import triton_decode, triton_decode_available
+    from rlhf.rollout.decode_attention import triton_decode
+    from rlhf.rollout.triton_support import triton_available
 
-    if triton_decode_available(device):
+    if triton_available(device):
         got = triton_decode(q, kc, vc, used, max_len, scale)
         out["triton_max_abs_diff_vs_sdpa"] = float((got.float() - ref.float()).abs().max())
         out["attention_ms_all_layers"]["triton"] = layers * _device_ms(
@@ -213,9 +214,9 @@ def decode_breakdown(model, prompt_lens: list[int], a, device) -> dict:
     logits = torch.randn(rows, cfg.vocab_size, generator=g, device=device, dtype=dtype)
     params = SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=1)
     out["sampling_ms"] = {"sample_next": _device_ms(lambda: sample_next(logits, params, g), device)}
-    from rlhf.rollout.fused_sampling import fused_available, fused_sample
+    from rlhf.rollout.fused_sampling import fused_sample
 
-    if fused_available(device):
+    if triton_available(device):
         out["sampling_ms"]["fused"] = _device_ms(lambda: fused_sample(logits, 1.0, g), device)
         tok, lp = fused_sample(logits, 1.0, g)
         ref = torch.log_softmax(logits.float(), -1).gather(-1, tok[:, None]).squeeze(-1)

@@ -15,7 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from rlhf.rollout.fused_sampling import BLOCK, fused_applies, fused_available, fused_sample  # noqa: E402
+from rlhf.rollout.fused_sampling import BLOCK, fused_applies, fused_sample  # noqa: E402
+from rlhf.rollout.triton_support import triton_available  # noqa: E402
 
 
 def logits_of(rows, vocab, seed=0, scale=3.0):
@@ -24,7 +25,7 @@ def logits_of(rows, vocab, seed=0, scale=3.0):
 
 
 def main() -> dict:
-    out: dict = {"available_on_cpu": fused_available(torch.device("cpu")), "block": BLOCK}
+    out: dict = {"available_on_cpu": triton_available(torch.device("cpu")), "block": BLOCK}
     out["applies"] = [fused_applies(-1, 1.0, 100), fused_applies(100, 1.0, 100), fused_applies(50, 1.0, 100),
                       fused_applies(-1, 0.9, 100)]
     out["greedy"] = {}

@@ -11,23 +11,11 @@ h // G, as transformers' `repeat_kv` lays them out.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU installs without Triton use the SDPA path
-    triton = None
+from rlhf.rollout.triton_support import tl, triton
 
 BLOCK_N = 64  # keys per tile
-
-
-def triton_decode_available(device: torch.device) -> bool:
-    if triton is None:
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if triton is not None:

@@ -35,10 +35,11 @@ import torch
 import torch.nn.functional as nnf
 
 from rlhf.rollout.base import RolloutBatch, SamplingParams
-from rlhf.rollout.decode_attention import triton_decode, triton_decode_available
-from rlhf.rollout.fused_ops import fused_decode_ops, fused_ops_available
-from rlhf.rollout.fused_sampling import fused_applies, fused_available, fused_sample
+from rlhf.rollout.decode_attention import triton_decode
+from rlhf.rollout.fused_ops import fused_decode_ops
+from rlhf.rollout.fused_sampling import fused_applies, fused_sample
 from rlhf.rollout.hf import HFRolloutEngine, check_params, cut_at_stop, resolve_device, sample_next
+from rlhf.rollout.triton_support import triton_available
 
 STATIC_KV_ATTENTION = "rlhf_static_kv"
 PREFILL_TOKENS = 65536  # packed prompt tokens per prefill forward
@@ -191,12 +192,12 @@ class FastHFRolloutEngine(HFRolloutEngine):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         if decode_attention == "auto":  # measured on an H200: triton 3.6 ms, flash 7.0 ms, SDPA 9.2 ms per step
-            decode_attention = "triton" if self.device.type == "cuda" and triton_decode_available(self.device) \
+            decode_attention = "triton" if self.device.type == "cuda" and triton_available(self.device) \
                 else "flash" if flash_available(self.device) else "sdpa"
         self.decode_attention = decode_attention
         self.flash = decode_attention == "flash"
         self.triton = decode_attention == "triton"
-        if self.triton and not triton_decode_available(self.device):
+        if self.triton and not triton_available(self.device):
             raise ValueError("decode_attention='triton' needs Triton and a CUDA device")
         self.prefill_flash = decode_attention != "sdpa" and flash_available(self.device)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
@@ -218,7 +219,7 @@ class FastHFRolloutEngine(HFRolloutEngine):
         generator = self.generator
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        fused = fused_decode_ops(self.model) if self.fused_ops and fused_ops_available(self.device) \
+        fused = fused_decode_ops(self.model) if self.fused_ops and triton_available(self.device) \
             else contextlib.nullcontext()
         try:
             with torch.no_grad(), fused:
@@ -286,7 +287,7 @@ class FastHFRolloutEngine(HFRolloutEngine):
         stop = torch.tensor(self.stop_ids, device=dev)
         tokens, logprobs = [], []
         graphs: dict[int, tuple] = {}
-        fused = self.fused_sampling and fused_available(dev) and fused_applies(params.top_k, params.top_p,
+        fused = self.fused_sampling and triton_available(dev) and fused_applies(params.top_k, params.top_p,
                                                                                  logits.shape[-1])
         for t in range(params.max_tokens):
             if fused:

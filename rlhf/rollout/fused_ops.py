@@ -17,24 +17,13 @@ Modules of other shapes keep their own forward. Everything is restored on exit.
 
 from __future__ import annotations
 
-import os
 import sys
 from contextlib import contextmanager
 from typing import Iterator
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
-
-
-def fused_ops_available(device: torch.device) -> bool:
-    if triton is None:
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+from rlhf.rollout.triton_support import tl, triton
 
 
 if triton is not None:

@@ -19,24 +19,11 @@ generator on the device, so a seeded rollout repeats exactly and nothing waits o
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # a CPU install without Triton: `sample_next` is used instead
-    triton = None
+from rlhf.rollout.triton_support import tl, triton
 
 BLOCK = 4096  # vocabulary entries per iteration of one row's loop
-
-
-def fused_available(device: torch.device) -> bool:
-    """The kernel runs on CUDA devices with Triton (and on CPU under TRITON_INTERPRET=1)."""
-    if triton is None:
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def fused_applies(top_k: int, top_p: float, vocab: int) -> bool:

@@ -95,8 +95,7 @@ def build_trainer(cfg: PPOConfig, sizes: Sizes, base_dir: str, device: torch.dev
 
 def count_tokens(rollouts: pd.DataFrame) -> float:
     """Prompt plus response tokens of a rollout table."""
-    return float(sum(len(json.loads(r)) + len(json.loads(p))
-                     for r, p in zip(rollouts["response_ids"], rollouts["prompt_ids"])))
+    return float(sum(stages.token_lengths(rollouts)))
 
 
 def step_metrics(steps: list[dict[str, float]], gen: dict[str, float], timing: dict[str, float], tokens: float,

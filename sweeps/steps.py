@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from rlhf import pipeline as P
-from rlhf.config import ConfigError, PPOConfig, check_keys, flatten, from_json_checked
+from rlhf.config import ConfigError, PPOConfig, flatten
+from rlhf.config_keys import check_keys, from_json_checked
 from rlhf.state import RoundState
 from sweeps.objective import convergence_metrics, objective, pareto_objectives
 from sweeps.space import ParamSpec, apply, check_space, default_space

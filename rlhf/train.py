@@ -219,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.summary_json).write_text(json.dumps(summary, indent=2))
     if D.world()[0] == 0:
         print(json.dumps({k: v for k, v in summary.items() if k != "val_history"}, indent=2))
+    D.shutdown()
     return 0
 
 

@@ -72,6 +72,7 @@ def main(out: str, overrides: list[str]) -> None:
         "pg_loss": metrics["actor/pg_loss"], "vf_loss": metrics["critic/vf_loss"], "checksum": checksum,
         "max_param_diff_vs_start": diff, "world": world,
         "rows": local["row"].tolist()}))
+    D.shutdown()
 
 
 if __name__ == "__main__":

@@ -121,6 +121,15 @@ def barrier() -> None:
         dist.barrier()
 
 
+def shutdown() -> None:
+    """At the end of a process that ran collectives: wait for every rank, then destroy the
+    default process group. A process that exits with the group alive can abort at
+    interpreter exit (gloo's threads: "terminate called without an active exception")."""
+    if dist.is_available() and dist.is_initialized():
+        barrier()
+        dist.destroy_process_group()
+
+
 def broadcast_object(obj):
     if world()[1] == 1:
         return obj

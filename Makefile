@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 # DeepSpeed JIT-builds one CPU communication op on first use; keep it between runs.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup setup-vllm run run-local sweep test test-fast sft lock audit clean
+.PHONY: setup setup-vllm setup-browser run run-local sweep test test-fast sft lock audit clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -31,6 +31,14 @@ setup: $(VENV)/.installed
 
 setup-vllm: $(VENV)/.installed-vllm
 
+## Debian's headless Chromium for the deck-rendering test (apt-get, as root or through sudo).
+setup-browser:
+	@command -v chromium-headless-shell >/dev/null || command -v chromium >/dev/null || { \
+	  sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  echo "installing Debian's chromium-headless-shell for the deck-rendering test"; \
+	  $$sudo apt-get update -qq && { $$sudo apt-get install -y -qq chromium-headless-shell || \
+	                                 $$sudo apt-get install -y -qq chromium; }; }
+
 ## The main job: the Flyte PPO pipeline on the embedded default (synthetic arithmetic, tiny
 ## model built in code), executed locally; ARGS go to pyflyte (e.g. ARGS="--cfg my.yaml").
 run: setup
@@ -45,9 +53,10 @@ run-local: setup
 sweep: setup
 	$(BIN)/pyflyte run sweeps/sweep.py ppo_sweep $(ARGS)
 
-## Install what the tests need, then run them.
-test: setup setup-vllm
-	$(BIN)/python -m pytest -q -x -p no:cacheprovider --timeout=900 $(PYTEST_ARGS)
+## Install what the tests need (packages, vLLM's CPU build, the browser), then run them all. The
+## tests start the servers they use themselves (an MLflow server on loopback, store under .cache/).
+test: setup setup-vllm setup-browser
+	$(BIN)/python -m pytest -q -p no:cacheprovider --timeout=900 $(PYTEST_ARGS)
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow and not vllm" $(PYTEST_ARGS)

@@ -208,6 +208,9 @@ class TrainerConfig:
     profile_steps: list[int] = field(default_factory=list)  # global steps to trace with torch.profiler
     balance_batch: bool = True  # split each PPO mini-batch over ranks by equal rows and near-equal tokens
     max_ckpt_to_keep: int = 2  # round checkpoints kept
+    save_freq: int = 1  # rounds between checkpoints (plus one after the last round); -1 => only at the end
+    granularity: str = "stage"  # Flyte round granularity: "segment" (K rounds in one GPU task) | "stage" (a task per stage)
+    rounds_per_segment: int = 10  # K: rounds one colocated Flyte segment runs (granularity=segment)
 
 
 @dataclass(frozen=True)
@@ -275,6 +278,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "reward.gsm8k_method": ("strict", "flexible"),
     "trainer.resume": ("auto", "disable"),
     "trainer.device": ("auto", "cpu", "cuda"),
+    "trainer.granularity": ("segment", "stage"),
 }
 _LOGGERS = ("console", "mlflow", "wandb", "none")
 

@@ -5,6 +5,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -35,12 +36,14 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log_path, timeout: float) ->
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory):
     """URL of a real MLflow tracking server: $MLFLOW_TRACKING_URI when it is http(s)://,
-    else `mlflow server` started here on a free port with a SQLite store (stopped at the end)."""
+    else `mlflow server` started here on a free loopback port with a SQLite store under
+    .cache/mlflow/ (stopped at the end of the session)."""
     uri = os.environ.get("MLFLOW_TRACKING_URI", "")
     if uri.startswith(("http://", "https://")):
         yield uri
         return
-    root = tmp_path_factory.mktemp("mlflow_server")
+    root = Path(__file__).resolve().parents[1] / ".cache" / "mlflow" / f"server-{os.getpid()}-{int(time.time())}"
+    root.mkdir(parents=True)
     port = _free_port()
     cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
            "--backend-store-uri", f"sqlite:///{root}/mlflow.db", "--default-artifact-root", str(root / "artifacts")]

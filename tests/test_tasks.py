@@ -340,7 +340,7 @@ def test_decide_deck_renders_in_headless_chromium(tmp_path):
         logger.removeHandler(handler)
         logger.setLevel(level)
     assert out.stop and decks, "decide wrote no deck"
-    assert _chromium(), "needs Debian's chromium-headless-shell (or chromium); .ci/run installs it"
+    assert _chromium(), "needs Debian's chromium-headless-shell (or chromium): `make setup-browser` installs it"
     url = f"file://{decks[-1]}"
     browser = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
     dom = subprocess.run(browser + ["--dump-dom", url], capture_output=True, text=True, timeout=120).stdout

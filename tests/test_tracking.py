@@ -248,7 +248,6 @@ def test_mlflow_http_server_roundtrip(mlflow_server, artifact):
 
 
 def test_wandb_offline_run(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
     from rlhf.tracking import WandbSink
 
     monkeypatch.setenv("WANDB_MODE", "offline")

@@ -300,7 +300,9 @@ class WandbSink:
         self.run.config.update(params, allow_val_change=True)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        self.run.log(clean_metrics(metrics), step=int(step))
+        # commit=True: with an explicit step wandb holds the row back until the next step
+        # arrives, so the run's summary (and a live dashboard) would lag one step behind.
+        self.run.log(clean_metrics(metrics), step=int(step), commit=True)
 
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
         self.run.save(path, base_path=os.path.dirname(os.path.abspath(path)), policy="now")

@@ -255,11 +255,13 @@ def run_ppo_lane(a) -> dict:
 
 
 def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
     out = {"python": platform.python_version()}
-    for name in ("torch", "transformers", "accelerate", "deepspeed", "trl", "gguf"):
+    for name in ("torch", "transformers", "accelerate", "deepspeed", "trl", "gguf", "datasets"):
         try:
-            out[name] = __import__(name).__version__
-        except ImportError:
+            out[name] = version(name)
+        except PackageNotFoundError:
             out[name] = None
     return out
 

@@ -51,7 +51,7 @@ def sizes(a) -> dict:
         return dict(n_train=64, n_val=8, n_sft=8, sft_steps=2, sft_batch=4, max_response=24, budget=a.budget or 40,
                     eval_every=a.eval_every or 20)
     return dict(n_train=a.n_train, n_val=a.n_val, n_sft=a.n_sft, sft_steps=a.sft_steps, sft_batch=a.sft_batch,
-                max_response=a.max_response, budget=a.budget or 330, eval_every=a.eval_every or 45)
+                max_response=a.max_response, budget=a.budget or 300, eval_every=a.eval_every or 45)
 
 
 # ---------------------------------------------------------------------------------
@@ -95,10 +95,12 @@ def strict_accuracy(model, tokenizer, val, max_response: int) -> dict[str, float
 class Curve:
     """Evaluations of one lane against its training time (evaluation time excluded)."""
 
-    def __init__(self, model, tokenizer, val, max_response: int, eval_every: float):
+    def __init__(self, model, tokenizer, val, max_response: int, eval_every: float, lane: str = "",
+                 path: str = ""):
         self.model, self.tokenizer, self.val, self.max_response = model, tokenizer, val, max_response
         self.eval_every, self.next_eval, self.points = eval_every, 0.0, []
         self.t_train, self.t0 = 0.0, time.perf_counter()
+        self.lane, self.path = lane, path  # each evaluation is saved there at once: a lane cut short keeps its curve
 
     def due(self) -> bool:
         return self.t_train >= self.next_eval
@@ -111,9 +113,18 @@ class Curve:
         point["wall_s"] = round(time.perf_counter() - self.t0, 2)
         self.points.append(point)
         self.next_eval = self.t_train + self.eval_every
+        if self.path:
+            write_json({"lane": self.lane, "curve": self.points, "train_s": self.t_train, "partial": True}, self.path)
         print(f"eval step {step} train {self.t_train:.0f}s strict {point['strict']:.3f} "
               f"flexible {point['flexible']:.3f} len {point['response_length']:.0f}", flush=True)
         return point
+
+
+def write_json(obj: dict, path: str) -> None:
+    """`obj` as JSON at `path`, atomically (a temp file, then a rename)."""
+    tmp = f"{path}.tmp"
+    Path(tmp).write_text(json.dumps(obj, indent=2, default=str))
+    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------
@@ -179,11 +190,30 @@ def lane_command(a, lane: str, s: dict, out: Path, start_dir: str, data_dir: str
     return cmd
 
 
+T0 = time.perf_counter()  # the orchestrator's start: --deadline counts from here
+
+
+def _wait_until(p: subprocess.Popen, seconds: float) -> int:
+    """The lane's exit code; past the deadline it is stopped (its curve so far is on disk)."""
+    try:
+        return p.wait(timeout=max(1.0, seconds))
+    except subprocess.TimeoutExpired:
+        p.terminate()
+        try:
+            return p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            return p.wait()
+
+
 def run_lanes(a, s: dict, out: Path, start_dir: str, data_dir: str) -> dict:
     """Both lanes as concurrent processes (logs `<out>/<lane>.log`); their JSON results."""
+    import torch
+
     procs, commands = {}, {}
+    gpu = {"DS_ACCELERATOR": "cuda"} if torch.cuda.is_available() and not a.cpu_smoke else {}
     for lane in a.lanes.split(","):
-        env = {**os.environ, **ENV, "PYTHONPATH": os.pathsep.join(
+        env = {**os.environ, **ENV, **gpu, "PYTHONPATH": os.pathsep.join(
             p for p in ((a.trl_site if lane == "trl" else ""), str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
         cmd = lane_command(a, lane, s, out, start_dir, data_dir)
         commands[lane] = " ".join(cmd)
@@ -191,7 +221,7 @@ def run_lanes(a, s: dict, out: Path, start_dir: str, data_dir: str) -> dict:
                                        stderr=subprocess.STDOUT)
     results = {}
     for lane, p in procs.items():
-        rc = p.wait(timeout=s["budget"] * 3 + 300)
+        rc = _wait_until(p, (a.deadline or (1800 if a.cpu_smoke else 560)) - (time.perf_counter() - T0))
         path = out / f"{lane}.json"
         results[lane] = json.loads(path.read_text()) if path.exists() else {"error": f"exit code {rc}"}
         results[lane].update(rc=rc, command=commands[lane])
@@ -229,7 +259,7 @@ def run_ppo_lane(a) -> dict:
     run = Run(cfg)
     run.save = lambda: None
     curve = Curve(run.trainer.actor.module, run.tokenizer, load_split(a.data, "test"), s["max_response"],
-                  s["eval_every"])
+                  s["eval_every"], "ppo", a.lane_out)
     curve.evaluate(0)
     stop = ""
     while curve.t_train < s["budget"] and not stop:
@@ -355,9 +385,11 @@ def parse_args(argv=None):
     p.add_argument("--sft-batch", type=int, default=16)
     p.add_argument("--sft-lr", type=float, default=2e-5)
     p.add_argument("--max-response", type=int, default=128)
-    p.add_argument("--budget", type=float, default=0, help="training seconds per lane (default 330; smoke 40)")
+    p.add_argument("--budget", type=float, default=0, help="training seconds per lane (default 300; smoke 40)")
     p.add_argument("--eval-every", type=float, default=0, help="training seconds between evaluations (45; smoke 20)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--deadline", type=float, default=0, help="seconds from the start after which running lanes "
+                   "are stopped, their curves so far kept (default 560; smoke 1800)")
     p.add_argument("--ppo-override", action="append", default=[], help="key=value for the PPO lane's config")
     p.add_argument("--trl-lr", type=float, default=1e-5)
     p.add_argument("--lane", choices=("ppo",), help=argparse.SUPPRESS)
@@ -370,8 +402,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     a = parse_args(argv)
     if a.lane == "ppo":
-        result = run_ppo_lane(a)
-        Path(a.lane_out).write_text(json.dumps(result, indent=2, default=str))
+        write_json(run_ppo_lane(a), a.lane_out)
         return 0
     if not a.gguf or not a.out:
         sys.exit("error: give --gguf FILE and --out DIR")

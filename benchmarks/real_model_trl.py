@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.real_model import Curve, load_split, reward, sizes  # noqa: E402
+from benchmarks.real_model import Curve, load_split, reward, sizes, write_json  # noqa: E402
 
 
 def completion_text(completion) -> str:
@@ -90,7 +90,8 @@ def run_trl_lane(a) -> dict:
     out_dir = str(Path(a.lane_out).parent / "trl_run")
     trainer = GRPOTrainer(model=a.start, reward_funcs=[strict_reward], args=grpo_args(a, s, out_dir, on_cpu),
                           train_dataset=dataset(a.data), processing_class=tok)
-    curve = Curve(trainer.model, tok, load_split(a.data, "test"), s["max_response"], s["eval_every"])
+    curve = Curve(trainer.model, tok, load_split(a.data, "test"), s["max_response"], s["eval_every"], "trl",
+                  a.lane_out)
     curve.evaluate(0)
     trainer.add_callback(budget_callback(curve, s["budget"]))
     trainer.train()
@@ -113,8 +114,7 @@ def main(argv=None) -> int:
     p.add_argument("--cpu-smoke", "--tiny", action="store_true")
     a = p.parse_args(argv)
     a.n_train = a.n_val = a.n_sft = a.sft_steps = a.sft_batch = 0  # sizes() reads only the lane's settings
-    result = run_trl_lane(a)
-    Path(a.lane_out).write_text(json.dumps(result, indent=2, default=str))
+    write_json(run_trl_lane(a), a.lane_out)
     return 0
 
 

@@ -38,10 +38,18 @@ def prepare_dataset(data: DataConfig, fingerprint: str) -> Splits:
 
 @task(cache=Cache(version=CACHE_VERSION), requests=CPU_MEDIUM, container_image=CPU_IMAGE, retries=2)
 def prepare_policy(model: ModelConfig, seed: int, sft: Prompts) -> FlyteDirectory:
-    """The starting and reference policy: `model.path` (a remote URI is passed by reference),
-    or the tiny default model built and SFT-warm-started on `sft`. Cached."""
+    """The starting and reference policy: `model.path` (a remote directory URI is passed by
+    reference; a GGUF file, local or remote, is converted to safetensors), or the tiny default
+    model built and SFT-warm-started on `sft`. Cached."""
     if "://" in model.path and not model.path.startswith("file://"):
-        return FlyteDirectory(path=model.path)
+        if not model.path.lower().endswith(".gguf"):
+            return FlyteDirectory(path=model.path)
+        from dataclasses import replace
+
+        from flytekit.types.file import FlyteFile
+
+        with retry_transient():
+            model = replace(model, path=FlyteFile(path=model.path).download())
     return FlyteDirectory(path=P.prepare_base_model(model, seed, sft, workdir("policy")))
 
 

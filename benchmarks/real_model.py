@@ -50,7 +50,7 @@ def sizes(a) -> dict:
         return dict(n_train=64, n_val=8, n_sft=8, sft_steps=2, sft_batch=4, max_response=24, budget=a.budget or 40,
                     eval_every=a.eval_every or 20)
     return dict(n_train=a.n_train, n_val=a.n_val, n_sft=a.n_sft, sft_steps=a.sft_steps, sft_batch=a.sft_batch,
-                max_response=a.max_response, budget=a.budget or 300, eval_every=a.eval_every or 45)
+                max_response=a.max_response, budget=a.budget or 270, eval_every=a.eval_every or 45)
 
 
 # ---------------------------------------------------------------------------------
@@ -220,7 +220,7 @@ def run_lanes(a, s: dict, out: Path, start_dir: str, data_dir: str) -> dict:
                                        stderr=subprocess.STDOUT)
     results = {}
     for lane, p in procs.items():
-        rc = _wait_until(p, (a.deadline or (1800 if a.cpu_smoke else 560)) - (time.perf_counter() - T0))
+        rc = _wait_until(p, (a.deadline or (1800 if a.cpu_smoke else 540)) - (time.perf_counter() - T0))
         path = out / f"{lane}.json"
         results[lane] = json.loads(path.read_text()) if path.exists() else {"error": f"exit code {rc}"}
         results[lane].update(rc=rc, command=commands[lane])
@@ -317,11 +317,11 @@ def parse_args(argv=None):
     p.add_argument("--sft-batch", type=int, default=16)
     p.add_argument("--sft-lr", type=float, default=2e-5)
     p.add_argument("--max-response", type=int, default=128)
-    p.add_argument("--budget", type=float, default=0, help="training seconds per lane (default 300; smoke 40)")
+    p.add_argument("--budget", type=float, default=0, help="training seconds per lane (default 270; smoke 40)")
     p.add_argument("--eval-every", type=float, default=0, help="training seconds between evaluations (45; smoke 20)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--deadline", type=float, default=0, help="seconds from the start after which running lanes "
-                   "are stopped, their curves so far kept (default 560; smoke 1800)")
+                   "are stopped, their curves so far kept (default 540; smoke 1800)")
     p.add_argument("--ppo-override", action="append", default=[], help="key=value for the PPO lane's config")
     p.add_argument("--trl-lr", type=float, default=1e-5)
     p.add_argument("--lane", choices=("ppo",), help=argparse.SUPPRESS)

@@ -103,8 +103,8 @@ def smollm2_gguf():
 
 @pytest.fixture(scope="session")
 def model_cache():
-    """The GGUF conversion cache for the session: .cache/models in the repository, so the
-    real model converts once (about 30 s) and later sessions reuse it."""
+    """The GGUF conversion cache of a test run: .cache/models in the repository, so the
+    real model converts once (about 30 s) and later runs reuse it."""
     path = REPO / ".cache" / "models"
     before = os.environ.get("RLHF_MODEL_CACHE")
     os.environ["RLHF_MODEL_CACHE"] = str(path)

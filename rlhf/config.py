@@ -157,7 +157,15 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5  # vLLM share of GPU memory
     max_num_batched_tokens: int = 8192  # vLLM scheduler token budget
     generate_batch_size: int = 256  # sequences per HF generate call
+    log_prob_micro_batch_size_per_gpu: int = 0  # responses per forward when recomputing behaviour log-probs; 0 => actor.ppo_micro_batch_size_per_gpu
     val_temperature: float = 0.0  # 0 => greedy validation
+
+
+@dataclass(frozen=True)
+class RefConfig:
+    """The frozen reference policy (the starting policy, KL anchor)."""
+
+    log_prob_micro_batch_size_per_gpu: int = 0  # responses per reference forward; 0 => actor.ppo_micro_batch_size_per_gpu
 
 
 @dataclass(frozen=True)
@@ -191,6 +199,7 @@ class RewardConfig:
 @dataclass(frozen=True)
 class TrainerConfig:
     total_rounds: int = 100  # rounds to run (fewer on early stop)
+    total_epochs: int = 0  # > 0: passes over the train set; sets total_rounds once the train set's size is known
     steps_per_round: int = 1  # PPO steps per rollout buffer (1 => on-policy)
     test_freq: int = 1  # evaluate every k rounds
     val_before_train: bool = True  # evaluate the starting policy
@@ -237,6 +246,7 @@ class PPOConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -258,7 +268,9 @@ class PPOConfig:
         """mashumaro's hook, run when flytekit decodes a config input in a task: the same key
         check, for a config launched from outside Python (console, flytectl)."""
         from rlhf.config_keys import check_keys
+        from rlhf.verl_keys import translate_tree
 
+        d = translate_tree(d)
         check_keys(d, "cfg input")
         return d
 
@@ -494,10 +506,13 @@ def _plain(value: Any, key: str, seen: tuple[int, ...], count: list[int]) -> Any
 
 def from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> PPOConfig:
     """Build and validate a config from a nested mapping plus dotted overrides."""
-    tree = _plain(data or {}, "", (), [0])  # a deep copy of plain data
+    from rlhf.verl_keys import translate_override, translate_tree
+
+    tree = translate_tree(_plain(data or {}, "", (), [0]))  # a deep copy of plain data, verl keys mapped
     for text in overrides:
         k, v = parse_override(text)
-        _set_dotted(tree, k, _plain(v, k, (), [0]))
+        for key, value in translate_override(k, _plain(v, k, (), [0])):
+            _set_dotted(tree, key, value)
     cfg = _build(PPOConfig, tree)
     validate(cfg)
     return cfg
@@ -576,6 +591,10 @@ def validate(cfg: PPOConfig) -> None:
         raise ConfigError(f"deepspeed.zero_stage must be 0, 1, 2 or 3, got {cfg.deepspeed.zero_stage}")
     if not 0 < cfg.rollout.gpu_memory_utilization <= 1:
         raise ConfigError("rollout.gpu_memory_utilization must be in (0, 1]")
+    for key in ("trainer.total_epochs", "rollout.log_prob_micro_batch_size_per_gpu",
+                "ref.log_prob_micro_batch_size_per_gpu"):
+        if flat[key] < 0:
+            raise ConfigError(f"config key '{key}' must be >= 0, got {flat[key]}")
     if cfg.algorithm.adv_estimator == "grpo" and cfg.rollout.n < 2:
         raise ConfigError("algorithm.adv_estimator=grpo needs rollout.n >= 2 (a group per prompt)")
 
@@ -593,6 +612,26 @@ def _refuse_credentials(flat: dict[str, Any]) -> None:
                 "environment or a Flyte Secret: MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD or "
                 "MLFLOW_TRACKING_TOKEN for MLflow, the storage's own variables (e.g. AWS_ACCESS_KEY_ID/"
                 "AWS_SECRET_ACCESS_KEY) for data and models")
+
+
+def rounds_for_epochs(cfg: PPOConfig, n_train: int) -> int:
+    """Rounds that make `trainer.total_epochs` passes over `n_train` train prompts (verl's
+    `total_epochs`): ceil(epochs * n_train / (train_batch_size * steps_per_round))."""
+    per_round = cfg.data.train_batch_size * cfg.trainer.steps_per_round
+    if n_train <= 0:
+        raise ConfigError("trainer.total_epochs needs a non-empty train set; check data.train_files")
+    return max(1, math.ceil(cfg.trainer.total_epochs * n_train / per_round))
+
+
+def resolve_epochs(cfg: PPOConfig, n_train: int) -> PPOConfig:
+    """`cfg` itself, or (with `trainer.total_epochs` > 0) a new config whose `trainer.total_rounds`
+    makes that many passes over the `n_train` train prompts and whose `total_epochs` is 0, so
+    resolving again changes nothing. Called where the train set is prepared."""
+    if cfg.trainer.total_epochs <= 0:
+        return cfg
+    rounds = rounds_for_epochs(cfg, n_train)
+    trainer = dataclasses.replace(cfg.trainer, total_rounds=rounds, total_epochs=0)
+    return dataclasses.replace(cfg, trainer=trainer)
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,10 @@ def from_json_checked(cls: type, text: str):
     `check_keys`: an unknown key is a usage error of the option, not silently dropped."""
     data = json.loads(text)
     try:
+        if cls is PPOConfig:
+            from rlhf.verl_keys import translate_tree
+
+            data = translate_tree(data)
         check_keys(data, cls=cls)
     except ConfigError as e:
         raise _option_error(str(e)) from None

@@ -88,9 +88,19 @@ def build_trainer(cfg: PPOConfig, sizes: Sizes, base_dir: str, device: torch.dev
         if resume:
             critic = ValueModel.from_pretrained(str(resume / "critic"), dtype=m.dtype)
         else:
-            critic = ValueModel.from_causal_lm_dir(m.critic_path or base_dir, dtype=m.dtype)
+            critic = ValueModel.from_causal_lm_dir(critic_source(cfg, base_dir), dtype=m.dtype)
     ref = frozen_reference(base_dir, dtype=m.dtype)
     return PPOTrainer(cfg, sizes, actor, critic, ref, device)
+
+
+def critic_source(cfg: PPOConfig, base_dir: str) -> str:
+    """The critic's starting backbone: `model.critic_path` (a GGUF file converted through the
+    cache) or the base policy."""
+    if not cfg.model.critic_path:
+        return base_dir
+    from rlhf.models.gguf import resolve_model_path
+
+    return resolve_model_path(cfg.model.critic_path, allow_network=cfg.model.allow_network)
 
 
 def count_tokens(rollouts: pd.DataFrame) -> float:

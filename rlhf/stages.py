@@ -81,12 +81,15 @@ def check_data_sources(train: pd.DataFrame, val: pd.DataFrame, train_name: str, 
 
 
 def prepare_policy(cfg: PPOConfig, out_dir: str | os.PathLike, data: DataBundle) -> str:
-    """The starting (and reference) policy directory: `model.path`, or the tiny default model
+    """The starting (and reference) policy directory: `model.path` (a GGUF file, or a directory
+    holding one, converted once to safetensors: `rlhf.models.gguf`), or the tiny default model
     built and SFT-warm-started in code (cached in `<out_dir>/base_model`)."""
     if cfg.model.path:
-        from rlhf.models.load import check_model_source
+        from rlhf.models.gguf import resolve_model_path
 
-        return check_model_source(cfg.model.path, allow_network=cfg.model.allow_network)
+        if cfg.model.critic_path:  # converted here too, so the update's workers find it in the cache
+            resolve_model_path(cfg.model.critic_path, allow_network=cfg.model.allow_network)
+        return resolve_model_path(cfg.model.path, allow_network=cfg.model.allow_network)
     base = Path(out_dir) / "base_model"
     if (base / "config.json").is_file():
         return str(base)

@@ -20,7 +20,7 @@ import torch
 from rlhf import checkpoint as ckpt
 from rlhf import pipeline as P
 from rlhf import stages
-from rlhf.config import ConfigError, PPOConfig, derive_sizes, load_config
+from rlhf.config import ConfigError, PPOConfig, derive_sizes, load_config, resolve_epochs
 from rlhf.state import RoundState, Verdict, decide, record_val
 from rlhf.trainer import dist as D
 
@@ -54,6 +54,7 @@ class Run:
         policy_dir = str(resume / "actor") if resume else self.base_dir
         self.tokenizer = load_tokenizer(self.base_dir, trust_remote_code=cfg.model.trust_remote_code)
         self.data = stages.fit_data(self.data, self.tokenizer, cfg)
+        self.cfg = cfg = resolve_epochs(cfg, len(self.data.train))  # trainer.total_epochs -> total_rounds
         self.trainer = P.build_trainer(cfg, self.sizes, self.base_dir, self.device, resume)
         self.state = RoundState.initial(cfg)
         if resume:
@@ -158,6 +159,7 @@ def _lap(t: float) -> float:
 def train(cfg: PPOConfig) -> dict:
     """Run PPO rounds until `trainer.total_rounds` or an early stop; returns the summary."""
     run = Run(cfg)
+    cfg = run.cfg  # with trainer.total_epochs resolved against the train set
     try:
         if P.should_validate_first(cfg, run.state):
             run.evaluate()

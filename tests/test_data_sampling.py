@@ -109,3 +109,23 @@ def test_filter_overlong_drops_and_counts(tokenizer):
 def test_expand_for_rollout_groups_are_contiguous():
     assert expand_for_rollout(3, 2).tolist() == [0, 0, 1, 1, 2, 2]
     assert expand_for_rollout(2, 3, start=10).tolist() == [10, 10, 10, 11, 11, 11]
+
+
+def test_chat_lists_under_text_format_are_not_fed_as_raw_json():
+    """verl's chat-list prompts with the default data.prompt_format=text: rendered with the
+    chat template when the tokenizer has one, refused (naming the rows) when it has none."""
+    import json
+
+    from rlhf.data.sampling import encode_prompts, is_chat_list
+    from rlhf.models.tokenizer import build_char_tokenizer
+
+    chat = json.dumps([{"role": "user", "content": "12+30="}])
+    assert is_chat_list(chat) and not is_chat_list("[1, 2]") and not is_chat_list("12+30=")
+    tok = build_char_tokenizer()
+    tok.chat_template = None
+    with pytest.raises(ValueError, match=r"prompt rows \[1\] are chat lists.*no chat template"):
+        encode_prompts(["1+1=", chat], tok, "text")
+    tok.chat_template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+    mixed = encode_prompts(["1+1=", chat], tok, "text")
+    assert mixed[0] == encode_prompts(["1+1="], tok, "text")[0]
+    assert mixed[1] == tok("<12+30=>", add_special_tokens=False)["input_ids"] == encode_prompts([chat], tok, "chat")[0]

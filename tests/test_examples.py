@@ -32,3 +32,11 @@ def test_config_reference_is_current():
     from rlhf.config_doc import render
 
     assert (ROOT / "docs" / "CONFIG.md").read_text() == render(), "run python -m rlhf.config_doc"
+
+
+def test_smollm2_one_gpu_example():
+    cfg = load_config(ROOT / "examples" / "smollm2_gsm8k_1gpu.yaml")
+    s = derive_sizes(cfg)
+    assert (s.world_size, s.responses_per_step, s.num_mini_batches, s.mini_batch_per_gpu) == (1, 256, 4, 64)
+    assert cfg.model.path.endswith(".gguf") and cfg.data.prompt_format == "chat"
+    assert cfg.reward.gsm8k_method == "strict" and cfg.reward.format_score > 0

@@ -132,7 +132,9 @@ def test_flyte_workflow_and_in_process_loop_give_the_same_rounds(base_model, tmp
     from rlhf.train import train
     from workflows.ppo import ppo_pipeline
 
-    extra = ["trainer.total_rounds=2", "trainer.test_freq=2"]
+    # verl's trainer.total_epochs: one pass over 16 train prompts at 8 a round is 2 rounds, which
+    # each driver works out once it has the train set.
+    extra = ["trainer.total_epochs=1", "data.synthetic.n_train=16", "trainer.test_freq=2"]
     summary = train(cfg_for(tmp_path / "loop", base_model, *extra))
     flyte = ppo_pipeline(cfg=cfg_for(tmp_path / "flyte", base_model, *extra))
 

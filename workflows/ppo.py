@@ -23,7 +23,8 @@ from rlhf.config import PPOConfig
 from rlhf.state import RoundState
 from sweeps.trial import TrialContext
 from tasks.base import CPU_SMALL, Prompts, gpu_resources
-from tasks.data import dataset_fingerprint, fit_prompts, prepare_dataset, prepare_policy, sample_prompts
+from tasks.data import (dataset_fingerprint, fit_prompts, prepare_dataset, prepare_policy, rounds_from_epochs,
+                        sample_prompts)
 from tasks.evaluate import decide, evaluate
 from tasks.rollout import rollout, score
 from tasks.run import check_config, finish, report, start_tracking
@@ -116,9 +117,10 @@ def ppo_train(cfg: PPOConfig, train: Prompts, val: Prompts, base_model: FlyteDir
     """PPO rounds from `base_model` (also the KL reference) on the given prompt tables."""
     run_id = start_tracking(cfg=cfg)
     fitted = fit_prompts(cfg=cfg, train=train, val=val, policy=base_model)
-    rounds = ppo_round(cfg=cfg, train=fitted.train, val=fitted.val, base_model=base_model, policy=base_model,
+    run_cfg = rounds_from_epochs(cfg=cfg, train=fitted.train)
+    rounds = ppo_round(cfg=run_cfg, train=fitted.train, val=fitted.val, base_model=base_model, policy=base_model,
                        checkpoint=None, state=None, run_id=run_id)
-    metrics = report(cfg=cfg, state=rounds.state, run_id=run_id)
+    metrics = report(cfg=run_cfg, state=rounds.state, run_id=run_id)
     return Trained(model=rounds.model, metrics=metrics, state=rounds.state, run_id=run_id)
 
 

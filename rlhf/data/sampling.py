@@ -10,11 +10,13 @@ the batches the uninterrupted run would have drawn.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
+log = logging.getLogger(__name__)
 TRUNCATION_MODES = ("error", "left", "right")
 PROMPT_FORMATS = ("text", "chat")
 
@@ -75,10 +77,48 @@ def _chat_messages(text: str, row: int) -> list[dict]:
     return messages
 
 
+def is_chat_list(text: str) -> bool:
+    """Whether a prompt string is a verl chat list serialized as JSON (`[{"role", "content"}, ...]`)."""
+    if not isinstance(text, str) or not text.lstrip().startswith("[{"):
+        return False
+    try:
+        messages = json.loads(text)
+    except ValueError:
+        return False
+    return (isinstance(messages, list) and len(messages) > 0 and
+            all(isinstance(m, dict) and "role" in m and "content" in m for m in messages))
+
+
+def _render_chat(texts: list[str], rows: list[int], tokenizer: Any) -> list[list[int]]:
+    rendered = [tokenizer.apply_chat_template(_chat_messages(texts[i], i), add_generation_prompt=True, tokenize=False)
+                for i in rows]
+    return [list(ids) for ids in tokenizer(rendered, add_special_tokens=False)["input_ids"]]
+
+
+def _chat_rows_in_text(texts: list[str], tokenizer: Any) -> list[int]:
+    """Rows of a `prompt_format=text` table that are verl chat lists: rendered with the chat
+    template (as verl renders them) rather than fed as raw JSON; refused without a template."""
+    rows = [i for i, t in enumerate(texts) if is_chat_list(t)]
+    if rows and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"prompt rows {rows[:5]} are chat lists ([{{\"role\": ..., \"content\": ...}}], verl's "
+                         "layout) but the tokenizer has no chat template to render them; use a model whose tokenizer "
+                         "has one, or write the prompts as plain text")
+    if rows and not _warned_chat_in_text:
+        _warned_chat_in_text.append(True)
+        log.warning("data.prompt_format=text, but %d of %d prompts (first: row %d) are chat lists; they are "
+                    "rendered with the chat template (set data.prompt_format=chat to say so)", len(rows),
+                    len(texts), rows[0])
+    return rows
+
+
+_warned_chat_in_text: list[bool] = []
+
+
 def encode_prompts(texts: list[str], tokenizer: Any, prompt_format: str = "text") -> list[list[int]]:
     """Token ids of each prompt, untruncated.
 
-    text: `tokenizer(text)` with the tokenizer's own special tokens (e.g. BOS).
+    text: `tokenizer(text)` with the tokenizer's own special tokens (e.g. BOS); a row that
+    is a JSON chat list (verl's layout) is rendered as in chat mode, never fed as raw JSON.
     chat: the JSON chat list rendered by `apply_chat_template(add_generation_prompt=True)`,
     then tokenized without adding special tokens (the template places them), as verl does.
     """
@@ -86,14 +126,22 @@ def encode_prompts(texts: list[str], tokenizer: Any, prompt_format: str = "text"
         raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS} (data.prompt_format), got {prompt_format!r}")
     if not texts:
         return []
+    texts = list(texts)
     if prompt_format == "text":
-        return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=True)["input_ids"]]
+        chat = _chat_rows_in_text(texts, tokenizer)
+        chat_set = set(chat)
+        plain = [i for i in range(len(texts)) if i not in chat_set]
+        out: list[list[int]] = [[] for _ in texts]
+        if plain:
+            for i, ids in zip(plain, tokenizer([texts[i] for i in plain], add_special_tokens=True)["input_ids"]):
+                out[i] = list(ids)
+        for i, ids in zip(chat, _render_chat(texts, chat, tokenizer) if chat else []):
+            out[i] = ids
+        return out
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("data.prompt_format=chat needs a tokenizer with a chat template; set one or use "
                          "data.prompt_format=text")
-    rendered = [tokenizer.apply_chat_template(_chat_messages(t, i), add_generation_prompt=True, tokenize=False)
-                for i, t in enumerate(texts)]
-    return [list(ids) for ids in tokenizer(rendered, add_special_tokens=False)["input_ids"]]
+    return _render_chat(texts, list(range(len(texts))), tokenizer)
 
 
 def truncate(ids: list[int], max_length: int, mode: str, row: int = 0) -> list[int]:

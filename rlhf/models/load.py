@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -163,8 +164,9 @@ def _tied_keys(model: nn.Module) -> list[str]:
     return tied
 
 
-def save_model_atomic(model, tokenizer, out_dir: str) -> str:
-    """`save_pretrained` into a temp dir beside `out_dir`, then swap it in by rename.
+def save_model_atomic(model, tokenizer, out_dir: str, extra_files: dict[str, str] | None = None) -> str:
+    """`save_pretrained` into a temp dir beside `out_dir` (plus `extra_files`, name -> text),
+    then swap it in by rename.
 
     A reader never sees a half-written directory; an existing `out_dir` is replaced.
     """
@@ -176,6 +178,8 @@ def save_model_atomic(model, tokenizer, out_dir: str) -> str:
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        for name, text in (extra_files or {}).items():
+            Path(tmp, name).write_text(text, encoding="utf-8")
         _swap_in(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

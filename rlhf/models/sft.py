@@ -74,12 +74,18 @@ def planned_steps(n_examples: int, cfg: SFTConfig) -> int:
     return min(total, cfg.max_steps) if cfg.max_steps > 0 else total
 
 
-def tokenize_pairs(tokenizer, prompts: list[str], responses: list[str]) -> list[tuple[list[int], list[int]]]:
-    """Prompts are encoded as the rollout encodes them (`tokenizer(text)`, BOS included)."""
+def tokenize_pairs(tokenizer, prompts: list[str], responses: list[str], prompt_format: str = "text"
+                   ) -> list[tuple[list[int], list[int]]]:
+    """Prompts are encoded exactly as the rollout encodes them (`encode_prompts`: the text with
+    the tokenizer's BOS, or a chat list through the chat template with its generation prompt),
+    responses on their own without special tokens, so the policy learns the ids it will
+    continue from at rollout and the label mask falls exactly on the prompt's tokens."""
+    from rlhf.data.sampling import encode_prompts
+
     if len(prompts) != len(responses):
         raise ValueError(f"sft_warm_start: {len(prompts)} prompts but {len(responses)} responses; "
                          f"pass one response per prompt")
-    p_ids = tokenizer(list(prompts))["input_ids"]
+    p_ids = encode_prompts(list(prompts), tokenizer, prompt_format)
     r_ids = tokenizer(list(responses), add_special_tokens=False)["input_ids"]
     return [build_sft_example(p, r, tokenizer.eos_token_id) for p, r in zip(p_ids, r_ids)]
 
@@ -118,8 +124,8 @@ def probe_accuracy(model, tokenizer, examples: list[tuple[list[int], list[int]]]
 
 def sft_warm_start(model, tokenizer, prompts: list[str], responses: list[str], cfg: SFTConfig, seed: int = 0,
                    progress: bool = True, log_every: int | None = None,
-                   should_stop: Callable[[], bool] | None = None) -> dict[str, float]:
-    """Fine-tune `model` in place on (prompt, response) pairs.
+                   should_stop: Callable[[], bool] | None = None, prompt_format: str = "text") -> dict[str, float]:
+    """Fine-tune `model` in place on (prompt, response) pairs (prompts in `prompt_format`).
 
     Stops at the first of `max_steps`, `epochs`, `max_seconds`, or (if `stop_at_accuracy` > 0)
     greedy exact-match accuracy >= `stop_at_accuracy` on the first `probe_size` training
@@ -132,7 +138,7 @@ def sft_warm_start(model, tokenizer, prompts: list[str], responses: list[str], c
         raise ValueError(f"model.sft.lr_schedule is {cfg.lr_schedule!r}; choose 'cosine' or 'constant'")
     if cfg.epochs < 1 or cfg.batch_size < 1:
         raise ValueError(f"model.sft.epochs ({cfg.epochs}) and model.sft.batch_size ({cfg.batch_size}) must be >= 1")
-    examples = tokenize_pairs(tokenizer, prompts, responses)
+    examples = tokenize_pairs(tokenizer, prompts, responses, prompt_format)
     if not examples:
         raise ValueError("sft_warm_start: no examples; pass at least one (prompt, response) pair")
     device = next(model.parameters()).device

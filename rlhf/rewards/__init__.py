@@ -59,8 +59,13 @@ def load_reward_model(cfg: RewardConfig, device: str = "cpu"):
     """A `RewardModel` for `cfg.model_path`, or None when no path is set."""
     if not cfg.model_path:
         return None
+    from rlhf.models.gguf import find_gguf
     from rlhf.rewards.model import RewardModel
 
+    if find_gguf(cfg.model_path):
+        raise ValueError(f"reward.model_path '{cfg.model_path}' is a GGUF file; GGUF holds causal language models, "
+                         "and a reward model is a sequence classifier with one output: save it with "
+                         "save_pretrained (safetensors) and point reward.model_path at that directory")
     return RewardModel(cfg.model_path, batch_size=cfg.model_batch_size, device=device)
 
 

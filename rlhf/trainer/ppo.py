@@ -84,9 +84,10 @@ class PPOTrainer:
     def _packed(self) -> bool:
         return self.cfg.data.use_sequence_packing
 
-    def _fwd_kw(self) -> dict:
+    def _fwd_kw(self, micro: int = 0) -> dict:
+        """Forward settings of the no-grad passes; `micro` > 0 replaces the update's micro-batch size."""
         a = self.cfg.actor
-        return dict(micro=self.sizes.micro_batch_per_gpu, packed=self._packed, dynamic=a.use_dynamic_bsz,
+        return dict(micro=micro or self.sizes.micro_batch_per_gpu, packed=self._packed, dynamic=a.use_dynamic_bsz,
                     max_tokens=a.ppo_max_token_len_per_gpu)
 
     # -- stages ------------------------------------------------------------------------
@@ -94,14 +95,15 @@ class PPOTrainer:
         with self.timer("old_log_prob"):
             self.actor.module.eval()
             lp = F.batched_log_probs(self.actor.module, buf, temperature=self.cfg.rollout.temperature,
-                                     **self._fwd_kw())
+                                     **self._fwd_kw(self.cfg.rollout.log_prob_micro_batch_size_per_gpu))
         return buf.with_(old_log_probs=lp)
 
     def reference_log_probs(self, buf: PPOBatch) -> PPOBatch:
         if self.ref is None:
             return buf
         with self.timer("ref"):
-            lp = F.batched_log_probs(self.ref, buf, temperature=self.cfg.rollout.temperature, **self._fwd_kw())
+            lp = F.batched_log_probs(self.ref, buf, temperature=self.cfg.rollout.temperature,
+                                     **self._fwd_kw(self.cfg.ref.log_prob_micro_batch_size_per_gpu))
         return buf.with_(ref_log_probs=lp)
 
     def critic_values(self, batch: PPOBatch) -> PPOBatch:

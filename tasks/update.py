@@ -16,9 +16,10 @@ runs in its own process, without the launcher.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
-from flytekit import PythonFunctionTask, task
+from flytekit import FlyteContextManager, PythonFunctionTask, task
 from flytekit.extend import TaskPlugins
 from flytekit.types.directory import FlyteDirectory
 from flytekitplugins.kfpytorch import Elastic
@@ -28,8 +29,8 @@ from containers.images import GPU_IMAGE
 from rlhf import pipeline as P
 from rlhf.config import PPOConfig
 from rlhf.state import RoundState
-from tasks.base import (GPU, GPU_RETRIES, TRACKING_SECRETS, Scored, gpu_resources, rank, retry_transient,
-                        workdir)
+from tasks.base import (GPU, GPU_RETRIES, TRACKING_SECRETS, Scored, gpu_resources, local_copy, rank,
+                        retry_transient, workdir)
 
 Updated = NamedTuple("Updated", [("checkpoint", FlyteDirectory), ("policy", FlyteDirectory),
                                  ("state", RoundState), ("steps", list[dict[str, float]])])
@@ -70,14 +71,24 @@ def elastic_for(cfg: PPOConfig) -> RunShapedElastic:
                             rdzv_configs=RDZV)
 
 
+def checkpoint_outputs(local: str) -> tuple[FlyteDirectory, FlyteDirectory]:
+    """A checkpoint directory as a task output, and its `actor/` policy as a second output
+    that refers to the uploaded checkpoint's sub-folder instead of uploading the weights again."""
+    ctx = FlyteContextManager.current_context()
+    if ctx.execution_state is not None and ctx.execution_state.is_local_execution():
+        return FlyteDirectory(path=local), FlyteDirectory(path=str(Path(local) / "actor"))
+    remote = ctx.file_access.get_random_remote_directory()
+    return FlyteDirectory(path=local, remote_directory=remote), FlyteDirectory(path=f"{remote.rstrip('/')}/actor")
+
+
 def _update(cfg: PPOConfig, base_model: FlyteDirectory, checkpoint: Optional[FlyteDirectory], scored: Scored,
             state: RoundState, run_id: str) -> Updated:
     sink = P.tracking_sink(cfg, run_id) if rank() == 0 else None
     with retry_transient():
-        r = P.update_from_checkpoint(cfg, base_model.download(), checkpoint.download() if checkpoint else None,
+        r = P.update_from_checkpoint(cfg, local_copy(base_model), local_copy(checkpoint) if checkpoint else None,
                                      scored, state, workdir("checkpoints"), sink=sink)
-    return Updated(checkpoint=FlyteDirectory(path=r.checkpoint), policy=FlyteDirectory(path=r.policy),
-                   state=r.state, steps=r.steps)
+    ckpt_dir, policy = checkpoint_outputs(r.checkpoint)
+    return Updated(checkpoint=ckpt_dir, policy=policy, state=r.state, steps=r.steps)
 
 
 @task(task_config=RunShapedElastic(nnodes=1, nproc_per_node=1, rdzv_configs=RDZV), requests=gpu_resources(1),

@@ -59,7 +59,7 @@ def report(cfg: PPOConfig, state: RoundState, run_id: str) -> pd.DataFrame:
     Deck(DECK, training_html(state, reason))
     table = P.metrics_table(state)
     Deck("metrics table", table.to_html(index=False, float_format=lambda x: f"{x:.5g}"))
-    sink = P.tracking_sink(cfg, run_id)
+    sink = P.tracking_sink(cfg, run_id, state)
     summary = P.summary(cfg, state)
     with retry_transient():
         sink.log_metrics({k: v for k, v in summary.items() if isinstance(v, (int, float))}, step=state.global_step)

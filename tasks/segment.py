@@ -34,17 +34,16 @@ Segment = NamedTuple("Segment", [("checkpoint", FlyteDirectory), ("policy", Flyt
 
 def _segment(cfg: PPOConfig, train: Prompts, val: Prompts, base_model: FlyteDirectory,
              checkpoint: Optional[FlyteDirectory], state: RoundState, run_id: str) -> Segment:
-    sink = P.tracking_sink(cfg, run_id) if rank() == 0 else None
+    sink = P.tracking_sink(cfg, run_id, state) if rank() == 0 else None
     with retry_transient():
         resume = intratask.restore()
         r = run_segment(cfg, local_copy(base_model), train, val, local_copy(checkpoint) if checkpoint else None,
                         state, workdir("segment"), sink=sink, resume=str(resume) if resume else None,
                         on_checkpoint=intratask.save)
-    if sink is not None:
-        sink.close()
+    out = P.keep_pending(sink, r.state) if sink is not None else r.state
     Deck("segment", r.metrics.to_html(index=False, float_format=lambda x: f"{x:.5g}"))
     ckpt_dir, policy = checkpoint_outputs(r.checkpoint)
-    return Segment(checkpoint=ckpt_dir, policy=policy, state=r.state, steps=r.steps, metrics=r.metrics,
+    return Segment(checkpoint=ckpt_dir, policy=policy, state=out, steps=r.steps, metrics=r.metrics,
                    rollouts=r.rollouts, scored=r.scored, stopped=r.stopped)
 
 

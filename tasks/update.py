@@ -83,12 +83,13 @@ def checkpoint_outputs(local: str) -> tuple[FlyteDirectory, FlyteDirectory]:
 
 def _update(cfg: PPOConfig, base_model: FlyteDirectory, checkpoint: Optional[FlyteDirectory], scored: Scored,
             state: RoundState, run_id: str) -> Updated:
-    sink = P.tracking_sink(cfg, run_id) if rank() == 0 else None
+    sink = P.tracking_sink(cfg, run_id, state) if rank() == 0 else None
     with retry_transient():
         r = P.update_from_checkpoint(cfg, local_copy(base_model), local_copy(checkpoint) if checkpoint else None,
                                      scored, state, workdir("checkpoints"), sink=sink)
     ckpt_dir, policy = checkpoint_outputs(r.checkpoint)
-    return Updated(checkpoint=ckpt_dir, policy=policy, state=r.state, steps=r.steps)
+    out = P.keep_pending(sink, r.state) if sink is not None else r.state
+    return Updated(checkpoint=ckpt_dir, policy=policy, state=out, steps=r.steps)
 
 
 @task(task_config=RunShapedElastic(nnodes=1, nproc_per_node=1, rdzv_configs=RDZV), requests=gpu_resources(1),

@@ -15,6 +15,8 @@ each link after the first behind a condition on the previous link's stop verdict
 
 from __future__ import annotations
 
+import dataclasses
+import uuid
 from typing import NamedTuple, Optional
 
 import pandas as pd
@@ -67,6 +69,8 @@ def ppo_rounds(cfg: PPOConfig, train: Prompts, val: Prompts, base_model: FlyteDi
         checkpoint = FlyteDirectory(path=checkpoint)
     else:
         checkpoint, policy, s = None, base_model, RoundState.initial(cfg)
+        if "wandb" in cfg.trainer.logger:  # one wandb run for every task of the execution
+            s = dataclasses.replace(s, wandb_id=uuid.uuid4().hex)
         if P.should_validate_first(cfg, s):
             s = evaluate(cfg=cfg, policy=base_model, val=val, state=s, run_id=run_id).with_overrides(
                 **gpu_overrides(generation_gpus(cfg))).state

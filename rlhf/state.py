@@ -40,6 +40,7 @@ class RoundState:
     # MLflow records a task could not send (server down), replayed by the next task's sink.
     wandb_id: str = ""
     tracking_pending: list[str] = field(default_factory=list)  # JSON records of BufferedMLflowSink
+    checkpoints: list[str] = field(default_factory=list)  # URIs of the Flyte tasks' checkpoints, newest last
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

@@ -42,7 +42,7 @@ def _segment(cfg: PPOConfig, train: Prompts, val: Prompts, base_model: FlyteDire
                         on_checkpoint=intratask.save)
     out = P.keep_pending(sink, r.state) if sink is not None else r.state
     Deck("segment", r.metrics.to_html(index=False, float_format=lambda x: f"{x:.5g}"))
-    ckpt_dir, policy = checkpoint_outputs(r.checkpoint)
+    ckpt_dir, policy, out = checkpoint_outputs(r.checkpoint, out, cfg.trainer.max_ckpt_to_keep)
     return Segment(checkpoint=ckpt_dir, policy=policy, state=out, steps=r.steps, metrics=r.metrics,
                    rollouts=r.rollouts, scored=r.scored, stopped=r.stopped)
 

@@ -267,7 +267,9 @@ def test_package_holds_the_schedule_and_concurrency(package):
     assert any(n.endswith("workflows.ppo.ppo_pipeline_2.pb") for n in package)
 
 
-@pytest.mark.parametrize("name", ["tasks.rollout.rollout", "tasks.update.ppo_update", "tasks.evaluate.evaluate"])
+@pytest.mark.parametrize("name", ["tasks.rollout.rollout", "tasks.update.ppo_update", "tasks.evaluate.evaluate",
+                                  "tasks.segment.ppo_segment", "tasks.rollout.score_with_model",
+                                  "tasks.evaluate.policy_score"])
 def test_package_gpu_tasks(package, name):
     t = _task(package, name)
     assert _resources(t)["GPU"] == "1" and t.extended_resources.gpu_accelerator.device == "nvidia-h100"
@@ -275,12 +277,13 @@ def test_package_gpu_tasks(package, name):
     assert "/flyte-rlhf-gpu:" in t.container.image
 
 
-def test_package_update_runs_under_torch_elastic(package):
-    t = _task(package, "tasks.update.ppo_update")
+@pytest.mark.parametrize("module, name", [("tasks.update", "ppo_update"), ("tasks.segment", "ppo_segment")])
+def test_package_update_and_segment_run_under_torch_elastic(package, module, name):
+    t = _task(package, f"{module}.{name}")
     assert t.type == "python-task"  # one node: torchrun inside a plain pod
     assert t.extended_resources.shared_memory.mount_path == "/dev/shm"
-    assert list(t.container.args)[-4:] == ["task-module", "tasks.update", "task-name", "ppo_update"]
-    multi = _task(package, "tasks.update.ppo_update_multinode")
+    assert list(t.container.args)[-4:] == ["task-module", module, "task-name", name]
+    multi = _task(package, f"{module}.{name}_multinode")
     assert multi.type == "pytorch"
     elastic = multi.custom.fields["elasticConfig"].struct_value.fields
     assert elastic["rdzvBackend"].string_value == "c10d" and elastic["nprocPerNode"].number_value == 8

@@ -138,3 +138,48 @@ def test_thousand_rounds_through_local_flyte_execution(tmp_path):
     assert out.state.round == 1000 and out.state.global_step == 1000
     assert out.metrics["step"].tolist() == list(range(1, 1001))
     assert [v["step"] for v in out.state.val_history] == [1000.0]
+
+
+@pytest.mark.slow
+def test_new_execution_resumes_from_a_named_checkpoint(base_model, tmp_path):
+    """`trainer.resume=<checkpoint>`: a Flyte execution picks up where an in-process run left
+    off (weights, optimizer state, round state) and gives the round that run would give next."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from rlhf.checkpoint import latest_checkpoint
+    from rlhf.train import train
+    from workflows.ppo import ppo_pipeline
+
+    two = cfg_for(tmp_path / "loop", base_model, "trainer.total_rounds=2", "trainer.val_before_train=false")
+    train(two)
+    start = tmp_path / "start"
+    shutil.copytree(latest_checkpoint(tmp_path / "loop"), start)
+    train(cfg_for(tmp_path / "loop", base_model, "trainer.total_rounds=3", "trainer.val_before_train=false"))
+    loop = latest_checkpoint(tmp_path / "loop")
+    assert loop.name == "round_000003"
+
+    flyte = ppo_pipeline(cfg=cfg_for(tmp_path / "flyte", base_model, "trainer.total_rounds=3",
+                                     "trainer.val_before_train=false", f"trainer.resume={start}"))
+    loop_state = RoundState.from_json((loop / "state.json").read_text())
+    assert (flyte.state.round, flyte.state.global_step) == (3, 3)
+    pd.testing.assert_frame_equal(pd.DataFrame(flyte.state.step_history), pd.DataFrame(loop_state.step_history),
+                                  check_like=True, rtol=1e-4, atol=1e-6)
+    assert flyte.metrics["step"].tolist() == [1, 2, 3]
+    a = load_file(str(loop / "actor" / "model.safetensors"))
+    b = load_file(os.path.join(flyte.model.download(), "model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5, msg=k)
+
+
+def test_resume_from_a_directory_that_is_no_checkpoint_is_refused(tmp_path):
+    from rlhf.config import ConfigError
+    from rlhf.train import resume_point
+
+    with pytest.raises(ConfigError, match="trainer.resume=.*does not exist"):
+        resume_point(str(tmp_path / "nowhere"), tmp_path)
+    (tmp_path / "half").mkdir()
+    with pytest.raises(ConfigError, match="manifest"):
+        resume_point(str(tmp_path / "half"), tmp_path)
+    assert resume_point("disable", tmp_path) is None and resume_point("auto", tmp_path) is None

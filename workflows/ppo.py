@@ -75,9 +75,10 @@ def ppo_rounds(cfg: PPOConfig, train: Prompts, val: Prompts, base_model: FlyteDi
             s = evaluate(cfg=cfg, policy=base_model, val=val, state=s, run_id=run_id).with_overrides(
                 **gpu_overrides(generation_gpus(cfg))).state
     link_wf = ppo_segment_link if cfg.trainer.granularity == "segment" else ppo_round
-    starts = [r for r in link_starts(cfg) if r >= (start[1].round if start else 0)]
-    if not starts:
+    if s.round >= cfg.trainer.total_rounds:
         return Rounds(model=policy, state=s)
+    # A resumed run's first link goes from its round to the next segment boundary.
+    starts = [s.round] + [r for r in link_starts(cfg) if r > s.round]
     link = link_wf(cfg=cfg, train=train, val=val, base_model=base_model, policy=policy, checkpoint=checkpoint,
                    state=s, run_id=run_id, trial=trial)
     for first in starts[1:]:

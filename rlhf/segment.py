@@ -75,6 +75,9 @@ def run_segment(cfg: PPOConfig, base_dir: str, train: pd.DataFrame, val: pd.Data
     from rlhf.train import Run, run_rounds
 
     end = segment_end(cfg, state.round)
+    if state.round >= cfg.trainer.total_rounds:
+        raise ValueError(f"the run is at round {state.round} of trainer.total_rounds={cfg.trainer.total_rounds}: "
+                         "no round is left for a segment; raise trainer.total_rounds to train on")
     start_from = Path(resume) if resume else (Path(checkpoint) if checkpoint else None)
     run = Run.start(cfg, base_dir, train, val, start_from, None if resume else state, out_dir, sink=sink)
     first_step = state.global_step
@@ -99,10 +102,8 @@ def run_segment(cfg: PPOConfig, base_dir: str, train: pd.DataFrame, val: pd.Data
 
 
 def _all_rows(local: Optional[pd.DataFrame], cfg: PPOConfig, world: int) -> pd.DataFrame:
-    """Every rank's rows of a round table, in the round's step-major order (empty when the
-    segment ran no round, e.g. a retry that found the segment already done)."""
-    if local is None:
-        return pd.DataFrame()
+    """Every rank's rows of a round table, in the round's step-major order."""
+    assert local is not None, "the segment ran no round"
     if world == 1:
         return local
     return stages.step_major(D.all_gather_object(local), cfg.trainer.steps_per_round)

@@ -42,10 +42,10 @@ from workflows.ppo import ppo_rounds, prepare_data
 
 # The embedded default: the tiny arithmetic task on a short schedule. Everything the sweep's
 # wall time depends on is set here rather than taken from the library defaults.
-# A task per stage: the pruner hears every round's val score (with colocated segments it hears
-# the score at each segment's end only).
+# Segments of one round: the pruner hears every round's val score (it hears a segment's
+# last one, between segments).
 SHORT_SCHEDULE = [
-    "trainer.total_rounds=4", "trainer.granularity=stage", "trainer.test_freq=1", "trainer.val_before_train=false",
+    "trainer.total_rounds=4", "trainer.rounds_per_segment=1", "trainer.test_freq=1", "trainer.val_before_train=false",
     "trainer.logger=[mlflow]", "trainer.seed=0",
     "data.synthetic.n_train=4000", "data.synthetic.n_val=200", "data.synthetic.n_sft=1500",
     "data.train_batch_size=64", "rollout.n=4", "actor.ppo_mini_batch_size=16",

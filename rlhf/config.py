@@ -209,7 +209,7 @@ class TrainerConfig:
     balance_batch: bool = True  # split each PPO mini-batch over ranks by equal rows and near-equal tokens
     max_ckpt_to_keep: int = 2  # round checkpoints kept
     save_freq: int = 1  # rounds between checkpoints (plus one after the last round); -1 => only at the end
-    granularity: str = "segment"  # Flyte rounds: "segment" (K rounds in one GPU task; real sizes) | "stage" (a task per stage)
+    granularity: str = "segment"  # Flyte rounds: "segment" (K rounds per GPU task; real sizes) | "stage" (task per stage)
     rounds_per_segment: int = 10  # K: rounds one colocated Flyte segment runs (granularity=segment)
 
 

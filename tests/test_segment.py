@@ -125,7 +125,8 @@ def test_thousand_rounds_through_local_flyte_execution(tmp_path):
         "trainer.total_rounds=1000", "trainer.rounds_per_segment=100", "trainer.save_freq=-1",
         "trainer.val_before_train=false", "trainer.test_freq=100000", "early_stop.enable=false",
         "data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "rollout.n=2", "data.max_response_length=2",
-        "actor.ppo_micro_batch_size_per_gpu=4", "actor.ppo_epochs=1", "critic.ppo_epochs=1", "algorithm.adv_estimator=grpo",
+        "actor.ppo_micro_batch_size_per_gpu=4", "actor.ppo_epochs=1", "critic.ppo_epochs=1",
+        "algorithm.adv_estimator=grpo",
         "model.sft.max_steps=1", "model.sft.stop_at_accuracy=0.0", "data.synthetic.n_train=64",
         f"trainer.output_dir={tmp_path}"])
     before = sys.getrecursionlimit()

@@ -82,7 +82,8 @@ def checkpoint_outputs(local: str, state: RoundState, keep: int
     retry of this task starts from it again)."""
     ctx = FlyteContextManager.current_context()
     local_run = ctx.execution_state is not None and ctx.execution_state.is_local_execution()
-    uri = local if local_run else ctx.file_access.get_random_remote_directory()
+    # On the store the checkpoint keeps its round name (<random prefix>/round_NNNNNN/).
+    uri = local if local_run else f"{ctx.file_access.get_random_remote_directory().rstrip('/')}/{Path(local).name}"
     kept = state.checkpoints[-max(1, keep - 1):] if state.checkpoints else []
     for old in state.checkpoints[:len(state.checkpoints) - len(kept)]:
         try:

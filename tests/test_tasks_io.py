@@ -90,7 +90,7 @@ def test_policy_output_refers_into_the_uploaded_checkpoint(store, tmp_path):
     lt = TypeEngine.to_literal_type(FlyteDirectory)
     ckpt_uri = TypeEngine.to_literal(ctx, checkpoint, FlyteDirectory, lt).scalar.blob.uri
     policy_uri = TypeEngine.to_literal(ctx, policy, FlyteDirectory, lt).scalar.blob.uri
-    assert policy_uri == f"{ckpt_uri}/actor"
+    assert policy_uri == f"{ckpt_uri}/actor" and ckpt_uri.endswith("/round_000002")
     weights = [p for p in fs.find(f"/{tmp_path.name}") if p.endswith("model.safetensors")]
     assert len(weights) == 1, f"the weights were stored {len(weights)} times"
     assert new.checkpoints == [f"{root}/previous", ckpt_uri]

@@ -64,25 +64,25 @@ def ppo_rounds(cfg: PPOConfig, train: Prompts, val: Prompts, base_model: FlyteDi
     `val_before_train`."""
     start = resume_point(cfg)
     if start is not None:
-        checkpoint, s = start
-        policy = FlyteDirectory(path=f"{checkpoint.rstrip('/')}/actor")
-        checkpoint = FlyteDirectory(path=checkpoint)
+        uri, s = start
+        policy, checkpoint = FlyteDirectory(path=f"{uri.rstrip('/')}/actor"), FlyteDirectory(path=uri)
     else:
         checkpoint, policy, s = None, base_model, RoundState.initial(cfg)
         if "wandb" in cfg.trainer.logger:  # one wandb run for every task of the execution
             s = dataclasses.replace(s, wandb_id=uuid.uuid4().hex)
-        if P.should_validate_first(cfg, s):
-            s = evaluate(cfg=cfg, policy=base_model, val=val, state=s, run_id=run_id).with_overrides(
-                **gpu_overrides(generation_gpus(cfg))).state
-    link_wf = ppo_segment_link if cfg.trainer.granularity == "segment" else ppo_round
-    if s.round >= cfg.trainer.total_rounds:
+    first = s.round  # a plain value: `s` becomes a promise below when the start is validated
+    if first >= cfg.trainer.total_rounds:
         return Rounds(model=policy, state=s)
+    if start is None and P.should_validate_first(cfg, s):
+        s = evaluate(cfg=cfg, policy=base_model, val=val, state=s, run_id=run_id).with_overrides(
+            **gpu_overrides(generation_gpus(cfg))).state
+    link_wf = ppo_segment_link if cfg.trainer.granularity == "segment" else ppo_round
     # A resumed run's first link goes from its round to the next segment boundary.
-    starts = [s.round] + [r for r in link_starts(cfg) if r > s.round]
+    starts = [first] + [r for r in link_starts(cfg) if r > first]
     link = link_wf(cfg=cfg, train=train, val=val, base_model=base_model, policy=policy, checkpoint=checkpoint,
                    state=s, run_id=run_id, trial=trial)
-    for first in starts[1:]:
-        link = (conditional(f"continue_after_round_{first}")
+    for r in starts[1:]:
+        link = (conditional(f"continue_after_round_{r}")
                 .if_(link.stop.is_true())
                 .then(stopped(model=link.model, checkpoint=link.checkpoint, state=link.state, stop=link.stop))
                 .else_()

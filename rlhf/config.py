@@ -208,7 +208,7 @@ class TrainerConfig:
     experiment_name: str = "default"  # MLflow run name
     mlflow_tracking_uri: str = ""  # "" => $MLFLOW_TRACKING_URI or a local SQLite store
     output_dir: str = "outputs"  # checkpoints, summary and local stores
-    resume: str = "auto"  # "auto" | "disable"
+    resume: str = "auto"  # "auto" (latest checkpoint in output_dir) | "disable" | a checkpoint dir or URI to start from
     seed: int = 0  # seed of sampling, init and SFT
     n_gpus_per_node: int = 1  # ranks per node (torchrun nproc_per_node)
     nnodes: int = 1  # nodes
@@ -218,7 +218,7 @@ class TrainerConfig:
     balance_batch: bool = True  # split each PPO mini-batch over ranks by equal rows and near-equal tokens
     max_ckpt_to_keep: int = 2  # round checkpoints kept
     save_freq: int = 1  # rounds between checkpoints (plus one after the last round); -1 => only at the end
-    granularity: str = "stage"  # Flyte round granularity: "segment" (K rounds in one GPU task) | "stage" (a task per stage)
+    granularity: str = "segment"  # Flyte rounds: "segment" (K rounds per GPU task; real sizes) | "stage" (task per stage)
     rounds_per_segment: int = 10  # K: rounds one colocated Flyte segment runs (granularity=segment)
 
 
@@ -288,7 +288,6 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     "critic.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     "reward.gsm8k_method": ("strict", "flexible"),
-    "trainer.resume": ("auto", "disable"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "trainer.granularity": ("segment", "stage"),
 }
@@ -577,10 +576,13 @@ def validate(cfg: PPOConfig) -> None:
         "actor.ppo_max_token_len_per_gpu", "rollout.n", "trainer.total_rounds",
         "trainer.steps_per_round", "trainer.test_freq", "trainer.n_gpus_per_node", "trainer.nnodes",
         "critic.ppo_micro_batch_size_per_gpu", "critic.ppo_epochs", "rollout.generate_batch_size",
+        "trainer.rounds_per_segment",
     ]
     for key in positive:
         if flat[key] <= 0:
             raise ConfigError(f"config key '{key}' must be > 0, got {flat[key]}")
+    if not cfg.trainer.resume.strip():
+        raise ConfigError("trainer.resume is empty; give auto, disable, or the checkpoint directory to start from")
     if not 0 < cfg.actor.clip_ratio < 1:
         raise ConfigError(f"actor.clip_ratio must be in (0, 1), got {cfg.actor.clip_ratio}")
     if cfg.actor.clip_ratio_c <= 1:

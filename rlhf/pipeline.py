@@ -354,11 +354,34 @@ def open_tracking(cfg: PPOConfig, run_name: Optional[str] = None) -> str:
     return sink.run_id
 
 
-def tracking_sink(cfg: PPOConfig, run_id: str = ""):
-    """The configured sinks, with MLflow resuming run `run_id` (not closed by the stages)."""
+def tracking_sink(cfg: PPOConfig, run_id: str = "", state: Optional[RoundState] = None):
+    """The configured sinks, with MLflow resuming run `run_id` (not closed by the stages) and
+    wandb the run `state.wandb_id`; MLflow records an earlier task left in `state` (its server
+    was down) are sent first."""
     from rlhf.tracking import NullSink, make_sink
 
     names = [n for n in cfg.trainer.logger if n != "mlflow" or run_id]
     if not names:
         return NullSink()
-    return make_sink(names, cfg, run_id=run_id or None)
+    sink = make_sink(names, cfg, run_id=run_id or None, wandb_id=(state.wandb_id if state else "") or None)
+    buffered = _buffered(sink)
+    if buffered is not None and state is not None:
+        buffered.import_pending(state.tracking_pending)
+    return sink
+
+
+def keep_pending(sink, state: RoundState) -> RoundState:
+    """`state` carrying the MLflow records `sink` could not send yet (else none), so that they
+    leave the task with its output instead of staying in its pod's buffer directory."""
+    buffered = _buffered(sink)
+    return replace(state, tracking_pending=buffered.export_pending() if buffered is not None else [])
+
+
+def _buffered(sink):
+    from rlhf.tracking import MultiSink
+    from rlhf.tracking_buffer import BufferedMLflowSink
+
+    for s in sink.sinks if isinstance(sink, MultiSink) else [sink]:
+        if isinstance(s, BufferedMLflowSink):
+            return s
+    return None

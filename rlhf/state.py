@@ -36,6 +36,11 @@ class RoundState:
     stop_reason: str = ""
     step_history: list[dict[str, float]] = field(default_factory=list)
     val_history: list[dict[str, float]] = field(default_factory=list)  # {"round", "step", "score"}
+    # Tracking across the tasks of one Flyte execution: the wandb run every task resumes, and
+    # MLflow records a task could not send (server down), replayed by the next task's sink.
+    wandb_id: str = ""
+    tracking_pending: list[str] = field(default_factory=list)  # JSON records of BufferedMLflowSink
+    checkpoints: list[str] = field(default_factory=list)  # URIs of the Flyte tasks' checkpoints, newest last
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

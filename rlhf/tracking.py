@@ -287,14 +287,17 @@ class WandbSink:
     """A Weights & Biases run; `mode` None => $WANDB_MODE, else "offline" (no network needed)."""
 
     def __init__(self, project: str, run_name: str | None = None, config: dict[str, Any] | None = None,
-                 output_dir: str = "outputs", mode: str | None = None):
+                 output_dir: str = "outputs", mode: str | None = None, run_id: str | None = None):
+        """`run_id`: the run to resume or create under that id (`resume="allow"`), so that the
+        tasks of one execution log into one run; None => a new run."""
         try:
             import wandb
         except ImportError as e:
             raise ImportError("trainer.logger lists 'wandb' but wandb is not installed: pip install wandb") from e
         os.makedirs(output_dir, exist_ok=True)
+        resume = {"id": run_id, "resume": "allow"} if run_id else {}
         self.run = wandb.init(project=project, name=run_name, config=config or {}, dir=output_dir,
-                              mode=mode or os.environ.get("WANDB_MODE", "offline"))
+                              mode=mode or os.environ.get("WANDB_MODE", "offline"), **resume)
 
     def log_params(self, params: dict[str, Any]) -> None:
         self.run.config.update(params, allow_val_change=True)
@@ -342,13 +345,14 @@ class MultiSink:
 
 
 def make_sink(names: Iterable[str], cfg, run_name: str | None = None, run_id: str | None = None,
-              parent_run_id: str | None = None) -> Sink:
+              parent_run_id: str | None = None, wandb_id: str | None = None) -> Sink:
     """Sinks for `names` (trainer.logger: "console", "mlflow", "wandb", "none") from a PPOConfig.
 
     MLflow: experiment `trainer.project_name`, run name `run_name` or `trainer.experiment_name`
     (verl's mapping), buffered in `<output_dir>/mlflow_buffer` while the server does not answer
     (`BufferedMLflowSink`), tracking URI `trainer.mlflow_tracking_uri` / $MLFLOW_TRACKING_URI / SQLite
     in `trainer.output_dir`; the flattened config is logged as params. `run_id` resumes a run.
+    wandb: `wandb_id` resumes (or creates) the run of that id.
     """
     from rlhf.config import flatten
 
@@ -367,7 +371,7 @@ def make_sink(names: Iterable[str], cfg, run_name: str | None = None, run_id: st
             sink.log_params(flatten(cfg))
             sinks.append(sink)
         elif kind == "wandb":
-            sinks.append(WandbSink(t.project_name, name, flatten(cfg), output_dir=t.output_dir))
+            sinks.append(WandbSink(t.project_name, name, flatten(cfg), output_dir=t.output_dir, run_id=wandb_id))
         elif kind != "none":
             raise ValueError(f"trainer.logger entry {kind!r} is unknown; choose from console, mlflow, wandb, none")
     if not sinks:

@@ -102,6 +102,22 @@ class BufferedMLflowSink:
                          "next run with the same output directory sends them", self._where(self.key),
                          left, self.pending_path)
 
+    # -- carrying the buffer to another process ------------------------------------------------
+    def export_pending(self) -> list[str]:
+        """This run's records not sent yet, as JSON lines, for a process that cannot keep the
+        buffer directory (a Flyte pod): the next task's sink takes them (`import_pending`)."""
+        return [json.dumps({k: v for k, v in r.items() if k != "run"}) for r in self._pending()
+                if r.get("run") == self.key]
+
+    def import_pending(self, records: list[str]) -> None:
+        """Records an earlier process of the same MLflow run exported: buffered ahead of this
+        sink's own and sent now if the server answers (a record sent twice is stored once)."""
+        if not records:
+            return
+        for line in records:
+            self._append({**json.loads(line), "run": self.key})
+        self._flush(force=True)
+
     # -- sending and buffering --------------------------------------------------------------
     def _submit(self, rec: dict) -> None:
         rec["run"] = self.key

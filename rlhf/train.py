@@ -14,7 +14,9 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
+import pandas as pd
 import torch
 
 from rlhf import checkpoint as ckpt
@@ -28,11 +30,39 @@ log = logging.getLogger("rlhf.train")
 
 
 class Run:
-    """Everything one driver process holds across rounds."""
+    """Everything one driver process holds across rounds: the trainer, the rollout engine
+    (handed the updated weights in memory), the tables, the state. `Run(cfg)` is the
+    in-process driver's start (data, policy and resume from `trainer.output_dir`);
+    `Run.start(...)` starts from given tables, policy, checkpoint and state, as a colocated
+    Flyte segment does (`rlhf.segment`). Both go through `run_rounds`."""
 
     def __init__(self, cfg: PPOConfig):
-        from rlhf.models.load import load_tokenizer
+        self._setup_process(cfg, Path(cfg.trainer.output_dir))
+        data = stages.prepare_data(cfg)
+        if self.rank == 0:
+            base_dir = stages.prepare_policy(cfg, self.out, data)
+        D.barrier()
+        base_dir = D.broadcast_object(base_dir if self.rank == 0 else None)
+        resume = resume_point(cfg.trainer.resume, self.out)
+        self._build(base_dir, data, resume, state=None, fit=True)
+        self.sink = self._make_sink()
 
+    @classmethod
+    def start(cls, cfg: PPOConfig, base_dir: str, train: pd.DataFrame, val: pd.DataFrame,
+              checkpoint: Optional[Path], state: RoundState, out_dir: str | Path, sink=None) -> "Run":
+        """A run from prompt tables already fitted to the tokenizer, the base (reference)
+        policy, checkpoint `checkpoint` (None: the base policy, the state's KL coefficient)
+        and `state`; checkpoints go under `out_dir`, metrics to `sink` (rank 0's)."""
+        run = cls.__new__(cls)
+        run._setup_process(cfg, Path(out_dir))
+        data = stages.DataBundle(train=train, val=val, sft=None)
+        run._build(base_dir, data, Path(checkpoint) if checkpoint else None, state=state, fit=False)
+        from rlhf.tracking import NullSink
+
+        run.sink = sink if sink is not None and run.rank == 0 else NullSink()
+        return run
+
+    def _setup_process(self, cfg: PPOConfig, out: Path) -> None:
         self.cfg = cfg
         self.t0 = time.perf_counter()
         self.device = D.pick_device(cfg.trainer.device)
@@ -42,31 +72,37 @@ class Run:
         torch.manual_seed(cfg.trainer.seed)
         stages.check_sizes(cfg, self.world)
         self.sizes = derive_sizes(cfg, self.world)
-        self.out = Path(cfg.trainer.output_dir)
+        self.out = Path(D.broadcast_object(str(out)))  # rank 0's: every rank writes its shards there
         self.out.mkdir(parents=True, exist_ok=True)
-        self.data = stages.prepare_data(cfg)
-        if self.rank == 0:
-            self.base_dir = stages.prepare_policy(cfg, self.out, self.data)
-        D.barrier()
-        self.base_dir = D.broadcast_object(self.base_dir if self.rank == 0 else None)
-        resume = ckpt.latest_checkpoint(self.out) if cfg.trainer.resume == "auto" else None
+
+    def _build(self, base_dir: str, data: stages.DataBundle, resume: Optional[Path], state: Optional[RoundState],
+               fit: bool) -> None:
+        """Tokenizer, trainer (from `resume` or the base policy), engine, reward model; the
+        state is `state`, else the one saved in `resume`, else the initial one."""
+        from rlhf.models.load import load_tokenizer
+
+        cfg = self.cfg
+        self.base_dir = base_dir
         self.resumed_from = str(resume) if resume else ""
-        policy_dir = str(resume / "actor") if resume else self.base_dir
-        self.tokenizer = load_tokenizer(self.base_dir, trust_remote_code=cfg.model.trust_remote_code)
-        self.data = stages.fit_data(self.data, self.tokenizer, cfg)
+        self.tokenizer = load_tokenizer(base_dir, trust_remote_code=cfg.model.trust_remote_code)
+        self.data = stages.fit_data(data, self.tokenizer, cfg) if fit else data
         self.cfg = cfg = resolve_epochs(cfg, len(self.data.train))  # trainer.total_epochs -> total_rounds
-        self.trainer = P.build_trainer(cfg, self.sizes, self.base_dir, self.device, resume)
-        self.state = RoundState.initial(cfg)
+        self.trainer = P.build_trainer(cfg, self.sizes, base_dir, self.device, resume)
+        self.state = state or RoundState.initial(cfg)
         if resume:
-            self.state = ckpt.restore(self.trainer, resume)
+            self.state = ckpt.restore(self.trainer, resume, state)
             log.info("resumed from %s at round %d (global step %d, kl_coef %.5g)", resume, self.state.round,
                      self.state.global_step, self.state.kl_coef)
-        self.engine = self._make_engine(policy_dir)
+        else:
+            ckpt.apply_state(self.trainer, self.state)
+        self.engine = self._make_engine(str(resume / "actor") if resume else base_dir)
         self.reward_model = stages.load_reward_model(cfg, self.device)
-        self.sink = self._make_sink()
         from rlhf.profiling import StepProfiler
 
         self.profiler = StepProfiler(cfg.trainer.profile_steps, self.out, self.device, self.rank)
+        self.last_rollouts: Optional[pd.DataFrame] = None  # this rank's tables of the latest round
+        self.last_scored: Optional[pd.DataFrame] = None
+        self.last_steps: list[dict[str, float]] = []
 
     # -- set-up helpers ------------------------------------------------------------------
     def _make_engine(self, policy_dir: str):
@@ -95,7 +131,9 @@ class Run:
         self.sink.log_metrics(metrics, step=self.state.global_step)
         return score
 
-    def round(self) -> Verdict:
+    def update_round(self) -> list[dict[str, float]]:
+        """One round up to its update: sample, rollout, score, the PPO steps; returns the
+        steps' metrics (logged) with the state moved on (round, global step, KL coefficient)."""
         cfg, timer = self.cfg, {}
         t = time.perf_counter()
         prompts, self.state = stages.sample_prompts(self.data.train, self.state, cfg)
@@ -120,9 +158,21 @@ class Run:
         for i, m in enumerate(steps):
             self.sink.log_metrics(m, step=self.state.global_step + i + 1)
         self.state = P.record_update(self.state, steps, self.trainer.kl_ctrl.value)
-        if P.should_evaluate(cfg, self.state.round):
+        self.last_rollouts, self.last_scored, self.last_steps = rollouts, scored, steps
+        self.sync_engine()
+        return steps
+
+    def end_round(self, steps: list[dict[str, float]]) -> Verdict:
+        """The round's validation (every `test_freq` rounds and after the last) and the
+        early-stop decision."""
+        if P.should_evaluate(self.cfg, self.state.round):
             self.evaluate()
-        self.state, verdict = decide(self.state, steps, cfg)
+        self.state, verdict = decide(self.state, steps, self.cfg)
+        return verdict
+
+    def round(self) -> Verdict:
+        """One whole round, as the in-process driver runs it (checkpoint included)."""
+        verdict = self.end_round(self.update_round())
         self.save()
         return verdict
 
@@ -135,7 +185,7 @@ class Run:
         table = stages.step_major(D.all_gather_object(scored), self.cfg.trainer.steps_per_round)
         return stages.shard_for_update(table, self.cfg, self.rank, self.world)
 
-    # -- checkpoints -------------------------------------------------------------------------
+    # -- checkpoints and weights ------------------------------------------------------------
     def save(self) -> Path:
         """Write the round checkpoint atomically (all ranks write their optimizer shards)."""
         final = ckpt.checkpoint_root(self.out) / ckpt.round_dir_name(self.state.round)
@@ -143,17 +193,61 @@ class Run:
         if self.rank == 0:
             ckpt.prune(self.out, self.cfg.trainer.max_ckpt_to_keep)
         D.barrier()
-        if self.cfg.rollout.name == "vllm":  # the HF engines share the trainer's module
-            self.engine.update_weights(str(final / "actor"))
         return final
+
+    def sync_engine(self) -> None:
+        """Hand the updated policy to the rollout engine before anything generates again. The HF
+        engines share the trainer's module; vLLM loads the weights from a scratch directory
+        (every round: the next rollout or validation must see this round's update)."""
+        if self.cfg.rollout.name != "vllm":
+            return
+        from rlhf.trainer.engines import full_state_dict
+
+        weights = self.out / ".engine_weights"
+        state_dict = full_state_dict(self.trainer.actor)  # collective under ZeRO-3
+        if self.rank == 0:
+            ckpt.save_module(self.trainer.actor.module, state_dict, self.tokenizer, weights)
+        D.barrier()
+        self.engine.update_weights(str(weights))
 
     def close(self) -> None:
         self.engine.close()
         self.sink.close()
 
 
+def resume_point(resume: str, output_dir: Path) -> Optional[Path]:
+    """The checkpoint `trainer.resume` starts from: the newest complete one in the output
+    directory ("auto"), none ("disable"), or the named checkpoint directory."""
+    if resume == "auto":
+        return ckpt.latest_checkpoint(output_dir)
+    if resume == "disable":
+        return None
+    path = Path(resume)
+    reason = "it does not exist" if not path.is_dir() else ckpt.why_incomplete(path)
+    if reason:
+        raise ConfigError(f"trainer.resume={resume!r} is not a checkpoint to start from: {reason}; give a round "
+                          "checkpoint directory (<output_dir>/checkpoints/round_NNNNNN), auto or disable")
+    return path
+
+
 def _lap(t: float) -> float:
     return time.perf_counter() - t
+
+
+def run_rounds(run: Run, until: int, decide_last: bool = True,
+               after_round: Callable[[Run], None] = lambda run: None) -> Verdict:
+    """The round loop both the in-process driver and a colocated Flyte segment run: whole
+    rounds until `until` rounds are done or an early stop, `after_round` after each (the
+    checkpoint policy of the driver). With `decide_last` False, the round that reaches
+    `until` stops after its update: its validation and decision are the caller's (a
+    segment's, between segments)."""
+    verdict = Verdict(stop=bool(run.state.stop_reason), reason=run.state.stop_reason)
+    while run.state.round < until and not verdict.stop:
+        steps = run.update_round()
+        if run.state.round < until or decide_last:
+            verdict = run.end_round(steps)
+        after_round(run)
+    return verdict
 
 
 def train(cfg: PPOConfig) -> dict:
@@ -163,10 +257,12 @@ def train(cfg: PPOConfig) -> dict:
     try:
         if P.should_validate_first(cfg, run.state):
             run.evaluate()
-        verdict = Verdict(stop=bool(run.state.stop_reason), reason=run.state.stop_reason)
-        while run.state.round < cfg.trainer.total_rounds and not verdict.stop:
-            verdict = run.round()
-            _progress(run)
+
+        def after_round(r: Run) -> None:
+            r.save()
+            _progress(r)
+
+        verdict = run_rounds(run, cfg.trainer.total_rounds, after_round=after_round)
         summary = _summary(run, verdict)
         if run.rank == 0:
             path = run.out / "summary.json"

@@ -162,6 +162,10 @@ class TrialReporter:
         self.trial.report(value, step)
         return self.trial.should_prune()
 
+    def reported_steps(self) -> set[int]:
+        """The steps this trial has reported values at."""
+        return set(self.study._storage.get_trial(self.trial_id).intermediate_values)
+
     def close(self) -> None:
         """Stop the heartbeat (before the trial is told its result)."""
         self._stop.set()

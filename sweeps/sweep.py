@@ -38,12 +38,14 @@ from sweeps.trial import TrialContext
 from tasks.base import CPU_SMALL, DECK_FIELDS, TRACKING_SECRETS, Prompts
 from tasks.data import fit_prompts, prepare_policy, rounds_from_epochs
 from tasks.run import check_config, report
-from workflows.ppo import prepare_data, ppo_round
+from workflows.ppo import ppo_rounds, prepare_data
 
 # The embedded default: the tiny arithmetic task on a short schedule. Everything the sweep's
 # wall time depends on is set here rather than taken from the library defaults.
+# Segments of one round: the pruner hears every round's val score (it hears a segment's
+# last one, between segments).
 SHORT_SCHEDULE = [
-    "trainer.total_rounds=4", "trainer.test_freq=1", "trainer.val_before_train=false",
+    "trainer.total_rounds=4", "trainer.rounds_per_segment=1", "trainer.test_freq=1", "trainer.val_before_train=false",
     "trainer.logger=[mlflow]", "trainer.seed=0",
     "data.synthetic.n_train=4000", "data.synthetic.n_val=200", "data.synthetic.n_sft=1500",
     "data.train_batch_size=64", "rollout.n=4", "actor.ppo_mini_batch_size=16",
@@ -109,8 +111,7 @@ def ppo_trial(trial: TrialContext, cfg: PPOConfig, run_id: str, train: Prompts, 
     """One trial: the PPO rounds from `base_model` on the trial's config, reporting each
     round's val score to the study (pruned trials stop early); returns the final state."""
     checked = check_config(cfg=cfg)
-    rounds = ppo_round(cfg=checked, train=train, val=val, base_model=base_model, policy=base_model,
-                       checkpoint=None, state=None, run_id=run_id, trial=trial)
+    rounds = ppo_rounds(cfg=checked, train=train, val=val, base_model=base_model, run_id=run_id, trial=trial)
     report(cfg=checked, state=rounds.state, run_id=run_id)
     return rounds.state
 

@@ -36,11 +36,18 @@ def check_pruning(ctx: TrialContext, state: RoundState, verdict: Verdict, rounds
                   ) -> tuple[RoundState, Verdict]:
     """Report the val score measured in this round to the study and stop the run when the
     pruner says so and rounds are left (a run that finished its rounds keeps its result).
-    An earlier stop reason wins; a round without a fresh val score reports nothing."""
+    Scores of earlier rounds not reported yet (validations inside a colocated segment) are
+    reported first, each at its round. An earlier stop reason wins; a round without a fresh
+    val score reports nothing."""
     fresh = state.val_history[-1] if state.val_history else None
     if fresh is None or state.round == 0 or int(fresh["round"]) != state.round:
         return state, verdict
     with TrialReporter(ctx.storage, ctx.study, ctx.number) as reporter:
+        done = reporter.reported_steps()
+        for v in state.val_history[:-1]:
+            r = int(v["round"])
+            if r > 0 and r not in done:
+                reporter.report(float(v["score"]), r)
         prune = reporter.report(float(fresh["score"]), state.round)
     if not prune or not rounds_left or verdict.stop:
         return state, verdict

@@ -13,10 +13,11 @@ from typing import Iterator
 
 import flytekitplugins.pandera  # noqa: F401  (registers the pandera DataFrame type)
 import torch.distributed as dist
-from flytekit import Resources, Secret, current_context
+from flytekit import FlyteContextManager, Resources, Secret, current_context
 from flytekit.deck import DeckField
 from flytekit.exceptions.user import FlyteRecoverableException
 from flytekit.extras.accelerators import H100
+from flytekit.types.directory import FlyteDirectory
 from pandera.typing import DataFrame
 
 from schemas import PromptSchema, RolloutSchema, ScoredRolloutSchema
@@ -54,6 +55,35 @@ def workdir(name: str) -> str:
     path = Path(current_context().working_directory) / name
     path.mkdir(parents=True, exist_ok=True)
     return str(path)
+
+
+def local_copy(directory: FlyteDirectory) -> str:
+    """A local path of `directory`, downloaded once per pod: the ranks of a torchrun task share
+    one copy (the first to take the lock downloads it into a folder named after the source,
+    the others wait and find it complete). A source that is already a local directory (local
+    execution) is read where it is."""
+    import fcntl
+    import hashlib
+    import shutil
+    import tempfile
+
+    src = str(directory.remote_source or directory.path)
+    ctx = FlyteContextManager.current_context()
+    if not ctx.file_access.is_remote(src) and os.path.isdir(src):
+        return src
+    dest = Path(tempfile.gettempdir()) / "flyte-rlhf-inputs" / hashlib.sha256(src.encode()).hexdigest()[:16]
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{dest}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        done = Path(f"{dest}.done")  # beside the copy, not in it: a checkpoint's files stay its own
+        if not done.is_file():
+            tmp = Path(f"{dest}.partial")
+            shutil.rmtree(tmp, ignore_errors=True)
+            ctx.file_access.get_data(src, str(tmp), is_multipart=True)
+            shutil.rmtree(dest, ignore_errors=True)
+            os.replace(tmp, dest)
+            done.write_text(src)
+    return str(dest)
 
 
 def rank() -> int:

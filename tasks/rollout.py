@@ -9,7 +9,8 @@ from containers.images import CPU_IMAGE, GPU_IMAGE
 from rlhf import pipeline as P
 from rlhf.config import PPOConfig
 from rlhf.state import RoundState
-from tasks.base import CPU_MEDIUM, GPU, GPU_RETRIES, Prompts, Rollouts, Scored, gpu_resources, retry_transient
+from tasks.base import (CPU_MEDIUM, GPU, GPU_RETRIES, Prompts, Rollouts, Scored, gpu_resources, local_copy,
+                        retry_transient)
 
 
 @task(requests=gpu_resources(1), limits=gpu_resources(1), accelerator=GPU, shared_memory=True,
@@ -24,7 +25,20 @@ def rollout(cfg: PPOConfig, policy: FlyteDirectory, prompts: Prompts, state: Rou
 
 @task(requests=CPU_MEDIUM, container_image=CPU_IMAGE, retries=2)
 def score(cfg: PPOConfig, rollouts: Rollouts) -> Scored:
-    """Each response's reward: the rule for its `data_source`, or the reward model at
-    `reward.model_path` (the workflow gives this task a GPU when one is set)."""
+    """Each response's reward from the rule for its `data_source` (CPU)."""
     with retry_transient():
         return P.score_rollouts(cfg, rollouts)
+
+
+@task(requests=gpu_resources(1), limits=gpu_resources(1), accelerator=GPU, interruptible=True, retries=GPU_RETRIES,
+      container_image=GPU_IMAGE)
+def score_with_model(cfg: PPOConfig, rollouts: Rollouts) -> Scored:
+    """Each response's reward, rows with `reward_style` "model" from the reward model at
+    `reward.model_path` (on a GPU, in the GPU image that has the model's dependencies)."""
+    with retry_transient():
+        return P.score_rollouts(cfg, rollouts)
+
+
+def score_task(cfg: PPOConfig):
+    """`score_with_model` when a reward model is configured, else the CPU `score`."""
+    return score_with_model if cfg.reward.model_path else score

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from pathlib import Path
+from typing import Optional
 
 import pandas as pd
 from flytekit import Deck, task
-from flytekit.types.directory import FlyteDirectory
 
 from containers.images import CPU_IMAGE
 from rlhf import pipeline as P
@@ -14,9 +14,6 @@ from rlhf.config import PPOConfig, derive_sizes, replace
 from rlhf.plots import training_html
 from rlhf.state import RoundState
 from tasks.base import CPU_SMALL, DECK, DECK_FIELDS, TRACKING_SECRETS, retry_transient
-
-Finished = NamedTuple("Finished", [("model", FlyteDirectory), ("state", RoundState)])
-
 
 @task(requests=CPU_SMALL, container_image=CPU_IMAGE)
 def check_config(cfg: PPOConfig) -> PPOConfig:
@@ -34,10 +31,23 @@ def start_tracking(cfg: PPOConfig) -> str:
         return P.open_tracking(cfg)
 
 
-@task(requests=CPU_SMALL, container_image=CPU_IMAGE)
-def finish(model: FlyteDirectory, state: RoundState) -> Finished:
-    """The rounds' end when `decide` stops early: the last policy and state, passed through."""
-    return Finished(model=model, state=state)
+def resume_point(cfg: PPOConfig) -> Optional[tuple[str, RoundState]]:
+    """Where a new execution starts when `trainer.resume` names a checkpoint (a local path or
+    a URI): that checkpoint and the round state saved in it, read here so that the workflow
+    can lay out the rounds left. None for "auto" and "disable" (a new execution starts from
+    the base policy; retries of a segment resume from its intratask checkpoint either way)."""
+    where = cfg.trainer.resume
+    if where in ("auto", "disable"):
+        return None
+    from flytekit import FlyteContextManager
+
+    from rlhf.checkpoint import STATE_FILE
+
+    fa = FlyteContextManager.current_context().file_access
+    local = Path(fa.get_random_local_directory()) / STATE_FILE
+    with retry_transient():
+        fa.get_data(f"{where.rstrip('/')}/{STATE_FILE}", str(local))
+    return where, RoundState.from_json(local.read_text())
 
 
 @task(requests=CPU_SMALL, container_image=CPU_IMAGE, enable_deck=True, deck_fields=DECK_FIELDS,
@@ -49,7 +59,7 @@ def report(cfg: PPOConfig, state: RoundState, run_id: str) -> pd.DataFrame:
     Deck(DECK, training_html(state, reason))
     table = P.metrics_table(state)
     Deck("metrics table", table.to_html(index=False, float_format=lambda x: f"{x:.5g}"))
-    sink = P.tracking_sink(cfg, run_id)
+    sink = P.tracking_sink(cfg, run_id, state)
     summary = P.summary(cfg, state)
     with retry_transient():
         sink.log_metrics({k: v for k, v in summary.items() if isinstance(v, (int, float))}, step=state.global_step)

@@ -15,10 +15,12 @@ runs in its own process, without the launcher.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
-from flytekit import PythonFunctionTask, task
+from flytekit import FlyteContextManager, PythonFunctionTask, task
 from flytekit.extend import TaskPlugins
 from flytekit.types.directory import FlyteDirectory
 from flytekitplugins.kfpytorch import Elastic
@@ -28,12 +30,13 @@ from containers.images import GPU_IMAGE
 from rlhf import pipeline as P
 from rlhf.config import PPOConfig
 from rlhf.state import RoundState
-from tasks.base import (GPU, GPU_RETRIES, TRACKING_SECRETS, Scored, gpu_resources, rank, retry_transient,
-                        workdir)
+from tasks.base import (GPU, GPU_RETRIES, TRACKING_SECRETS, Scored, gpu_resources, local_copy, rank,
+                        retry_transient, workdir)
 
 Updated = NamedTuple("Updated", [("checkpoint", FlyteDirectory), ("policy", FlyteDirectory),
                                  ("state", RoundState), ("steps", list[dict[str, float]])])
 
+log = logging.getLogger(__name__)
 # Rendezvous waits for pods that start late (image pulls, node scale-up).
 RDZV = {"timeout": 900, "join_timeout": 900}
 
@@ -70,14 +73,38 @@ def elastic_for(cfg: PPOConfig) -> RunShapedElastic:
                             rdzv_configs=RDZV)
 
 
+def checkpoint_outputs(local: str, state: RoundState, keep: int
+                       ) -> tuple[FlyteDirectory, FlyteDirectory, RoundState]:
+    """A checkpoint directory as a task output; its `actor/` policy as a second output that
+    refers to the uploaded checkpoint's sub-folder instead of uploading the weights again;
+    and the state listing the new checkpoint's URI. The run's older checkpoints are removed
+    from the store beyond `trainer.max_ckpt_to_keep`, always keeping this task's input (a
+    retry of this task starts from it again)."""
+    ctx = FlyteContextManager.current_context()
+    local_run = ctx.execution_state is not None and ctx.execution_state.is_local_execution()
+    # On the store the checkpoint keeps its round name (<random prefix>/round_NNNNNN/).
+    uri = local if local_run else f"{ctx.file_access.get_random_remote_directory().rstrip('/')}/{Path(local).name}"
+    kept = state.checkpoints[-max(1, keep - 1):] if state.checkpoints else []
+    for old in state.checkpoints[:len(state.checkpoints) - len(kept)]:
+        try:
+            ctx.file_access.get_filesystem_for_path(old).rm(old, recursive=True)
+        except (FileNotFoundError, OSError) as e:  # gone already, or the store refuses: nothing depends on it
+            log.warning("could not remove old checkpoint %s: %s", old, e)
+    new = replace(state, checkpoints=[*kept, uri])
+    if local_run:
+        return FlyteDirectory(path=local), FlyteDirectory(path=str(Path(local) / "actor")), new
+    return (FlyteDirectory(path=local, remote_directory=uri), FlyteDirectory(path=f"{uri.rstrip('/')}/actor"), new)
+
+
 def _update(cfg: PPOConfig, base_model: FlyteDirectory, checkpoint: Optional[FlyteDirectory], scored: Scored,
             state: RoundState, run_id: str) -> Updated:
-    sink = P.tracking_sink(cfg, run_id) if rank() == 0 else None
+    sink = P.tracking_sink(cfg, run_id, state) if rank() == 0 else None
     with retry_transient():
-        r = P.update_from_checkpoint(cfg, base_model.download(), checkpoint.download() if checkpoint else None,
+        r = P.update_from_checkpoint(cfg, local_copy(base_model), local_copy(checkpoint) if checkpoint else None,
                                      scored, state, workdir("checkpoints"), sink=sink)
-    return Updated(checkpoint=FlyteDirectory(path=r.checkpoint), policy=FlyteDirectory(path=r.policy),
-                   state=r.state, steps=r.steps)
+    out = P.keep_pending(sink, r.state) if sink is not None else r.state
+    ckpt_dir, policy, out = checkpoint_outputs(r.checkpoint, out, cfg.trainer.max_ckpt_to_keep)
+    return Updated(checkpoint=ckpt_dir, policy=policy, state=out, steps=r.steps)
 
 
 @task(task_config=RunShapedElastic(nnodes=1, nproc_per_node=1, rdzv_configs=RDZV), requests=gpu_resources(1),

@@ -121,36 +121,41 @@ def test_update_from_checkpoint_chains_rounds(base_model, tmp_path):
     assert evaluated.val_history[-1]["step"] == 2.0 and "val/accuracy" in metrics
 
 
-# -- two drivers, one round -----------------------------------------------------------------
+# -- one round, three compositions ----------------------------------------------------------
 
 
 @pytest.mark.slow
-def test_flyte_workflow_and_in_process_loop_give_the_same_rounds(base_model, tmp_path):
+def test_in_process_staged_and_colocated_give_the_same_rounds(base_model, tmp_path):
+    """The in-process loop, the Flyte workflow with a task per stage, and the workflow with
+    colocated segments (two rounds each: a validation inside a segment and one between
+    segments, a segment boundary, intratask checkpoints) on one config and seed."""
     from safetensors.torch import load_file
 
     from rlhf.checkpoint import latest_checkpoint
     from rlhf.train import train
     from workflows.ppo import ppo_pipeline
 
-    # verl's trainer.total_epochs: one pass over 16 train prompts at 8 a round is 2 rounds, which
-    # each driver works out once it has the train set.
-    extra = ["trainer.total_epochs=1", "data.synthetic.n_train=16", "trainer.test_freq=2"]
+    # verl's trainer.total_epochs: two passes over 16 train prompts at 8 a round are 4 rounds,
+    # which each driver works out once it has the train set.
+    extra = ["trainer.total_epochs=2", "data.synthetic.n_train=16", "trainer.test_freq=1",
+             "trainer.rounds_per_segment=2"]
     summary = train(cfg_for(tmp_path / "loop", base_model, *extra))
-    flyte = ppo_pipeline(cfg=cfg_for(tmp_path / "flyte", base_model, *extra))
-
-    s = flyte.state
-    assert s.global_step == summary["global_steps"] == 2
-    assert s.round == summary["rounds"] == 2
-    assert [v["step"] for v in s.val_history] == [v["step"] for v in summary["val_history"]] == [0.0, 2.0]
-    assert [v["score"] for v in s.val_history] == pytest.approx([v["score"] for v in summary["val_history"]])
-    assert s.kl_coef == pytest.approx(summary["kl_coef"], rel=1e-6)
-    assert s.kl_coef != pytest.approx(0.05), "the KL coefficient never moved; the comparison would be weak"
-    loop_state = RoundState.from_json((latest_checkpoint(tmp_path / "loop") / "state.json").read_text())
-    loop_steps, flyte_steps = pd.DataFrame(loop_state.step_history), pd.DataFrame(s.step_history)
-    pd.testing.assert_frame_equal(flyte_steps, loop_steps, check_like=True, rtol=1e-4, atol=1e-6)
-    assert flyte.metrics["step"].tolist() == [0, 1, 2]
-    a = load_file(str(latest_checkpoint(tmp_path / "loop") / "actor" / "model.safetensors"))
-    b = load_file(os.path.join(flyte.model.download(), "model.safetensors"))
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5, msg=k)
+    loop_ckpt = latest_checkpoint(tmp_path / "loop")
+    loop_state = RoundState.from_json((loop_ckpt / "state.json").read_text())
+    loop_weights = load_file(str(loop_ckpt / "actor" / "model.safetensors"))
+    assert loop_state.kl_coef != pytest.approx(0.05), "the KL coefficient never moved; the comparison would be weak"
+    for granularity in ("stage", "segment"):
+        flyte = ppo_pipeline(cfg=cfg_for(tmp_path / granularity, base_model, *extra,
+                                         f"trainer.granularity={granularity}"))
+        s = flyte.state
+        assert (s.round, s.global_step) == (summary["rounds"], summary["global_steps"]) == (4, 4), granularity
+        assert [v["step"] for v in s.val_history] == [v["step"] for v in summary["val_history"]] == [0, 1, 2, 3, 4]
+        assert [v["score"] for v in s.val_history] == pytest.approx([v["score"] for v in summary["val_history"]])
+        assert s.kl_coef == pytest.approx(summary["kl_coef"], rel=1e-6), granularity
+        pd.testing.assert_frame_equal(pd.DataFrame(s.step_history), pd.DataFrame(loop_state.step_history),
+                                      check_like=True, rtol=1e-4, atol=1e-6)
+        assert flyte.metrics["step"].tolist() == [0, 1, 2, 3, 4]
+        b = load_file(os.path.join(flyte.model.download(), "model.safetensors"))
+        assert loop_weights.keys() == b.keys()
+        for k in loop_weights:
+            torch.testing.assert_close(b[k], loop_weights[k], rtol=0, atol=1e-5, msg=f"{granularity}: {k}")

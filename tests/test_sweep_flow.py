@@ -29,8 +29,9 @@ def _no_flyte_cache(monkeypatch):
 
 
 def tiny_cfg(tmp_path, rounds: int, *extra: str) -> PPOConfig:
+    # Segments of one round: the pruner sees every round's val score.
     return load_config(None, TINY + [f"trainer.total_rounds={rounds}", "trainer.val_before_train=false",
-                                     f"trainer.output_dir={tmp_path}", *extra])
+                                     "trainer.rounds_per_segment=1", f"trainer.output_dir={tmp_path}", *extra])
 
 
 class DeckPaths(logging.Handler):

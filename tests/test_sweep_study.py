@@ -95,3 +95,21 @@ def test_reporter_prunes_a_bad_trial_before_its_last_round(tmp_path):
     rep = TrialReporter(storage, spec, bad)
     pruned_at = next((s for s in range(4) if rep.report(0.0, s)), None)
     assert pruned_at is not None and pruned_at < 3
+
+
+def test_pruning_check_reports_the_validations_inside_a_segment(tmp_path):
+    """After a colocated segment, `check_pruning` reports each of its rounds' val scores at its
+    round (not only the last), and a later segment adds only its own."""
+    from rlhf.state import RoundState, Verdict
+    from sweeps.trial import TrialContext, check_pruning
+
+    spec = StudySpec(name="segments")
+    storage = storage_url(spec, str(tmp_path))
+    study = open_study(spec, storage)
+    ((number, _),) = ask_batch(study, default_space(), 1)
+    ctx = TrialContext(study=spec, storage=storage, number=number)
+    vals = [{"round": float(r), "step": float(r), "score": 0.1 * r} for r in range(0, 6)]
+    check_pruning(ctx, RoundState(round=3, val_history=vals[:4]), Verdict(stop=False), rounds_left=True)
+    check_pruning(ctx, RoundState(round=5, val_history=vals), Verdict(stop=False), rounds_left=True)
+    trial = optuna.load_study(study_name="segments", storage=storage).trials[0]
+    assert trial.intermediate_values == pytest.approx({1: 0.1, 2: 0.2, 3: 0.3, 4: 0.4, 5: 0.5})

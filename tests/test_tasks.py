@@ -267,7 +267,9 @@ def test_package_holds_the_schedule_and_concurrency(package):
     assert any(n.endswith("workflows.ppo.ppo_pipeline_2.pb") for n in package)
 
 
-@pytest.mark.parametrize("name", ["tasks.rollout.rollout", "tasks.update.ppo_update", "tasks.evaluate.evaluate"])
+@pytest.mark.parametrize("name", ["tasks.rollout.rollout", "tasks.update.ppo_update", "tasks.evaluate.evaluate",
+                                  "tasks.segment.ppo_segment", "tasks.rollout.score_with_model",
+                                  "tasks.evaluate.policy_score"])
 def test_package_gpu_tasks(package, name):
     t = _task(package, name)
     assert _resources(t)["GPU"] == "1" and t.extended_resources.gpu_accelerator.device == "nvidia-h100"
@@ -275,12 +277,13 @@ def test_package_gpu_tasks(package, name):
     assert "/flyte-rlhf-gpu:" in t.container.image
 
 
-def test_package_update_runs_under_torch_elastic(package):
-    t = _task(package, "tasks.update.ppo_update")
+@pytest.mark.parametrize("module, name", [("tasks.update", "ppo_update"), ("tasks.segment", "ppo_segment")])
+def test_package_update_and_segment_run_under_torch_elastic(package, module, name):
+    t = _task(package, f"{module}.{name}")
     assert t.type == "python-task"  # one node: torchrun inside a plain pod
     assert t.extended_resources.shared_memory.mount_path == "/dev/shm"
-    assert list(t.container.args)[-4:] == ["task-module", "tasks.update", "task-name", "ppo_update"]
-    multi = _task(package, "tasks.update.ppo_update_multinode")
+    assert list(t.container.args)[-4:] == ["task-module", module, "task-name", name]
+    multi = _task(package, f"{module}.{name}_multinode")
     assert multi.type == "pytorch"
     elastic = multi.custom.fields["elasticConfig"].struct_value.fields
     assert elastic["rdzvBackend"].string_value == "c10d" and elastic["nprocPerNode"].number_value == 8
@@ -401,3 +404,46 @@ def test_sweep_literal_with_an_unknown_key_is_refused():
     good = dataclasses.asdict(SweepConfig())
     lit = Literal(scalar=Scalar(binary=Binary(value=msgpack.dumps(good), tag="msgpack")))
     assert TypeEngine.to_python_value(FlyteContextManager.current_context(), lit, SweepConfig) == SweepConfig()
+
+
+def _compiled_nodes(dynamic_task, **inputs) -> dict:
+    """The nodes a `@dynamic` lays out for `inputs`, as on a cluster: task name -> node."""
+    from flytekit import FlyteContextManager
+    from flytekit.core.context_manager import ExecutionState
+
+    ctx = FlyteContextManager.current_context()
+    state = ctx.execution_state.with_params(mode=ExecutionState.Mode.TASK_EXECUTION)
+    with FlyteContextManager.with_context(ctx.with_serialization_settings(_settings()).with_execution_state(state)) \
+            as ctx:
+        spec = dynamic_task.compile_into_workflow(ctx, dynamic_task._task_function, **inputs)
+    tasks = {t.id.resource_type_name() + t.id.name: t for t in spec.tasks}
+    return {n.task_node.reference_id.name: n for n in spec.nodes if n.task_node}, tasks
+
+
+def _gpus(node) -> str:
+    from flytekit.models.task import Resources
+
+    return next(r.value for r in node.task_node.overrides.resources.requests if r.name == Resources.ResourceName.GPU)
+
+
+def test_generation_and_reward_model_tasks_ask_for_what_they_use():
+    """With vLLM over 2 GPUs, rollout, evaluate and score_policy ask for 2; with a reward
+    model, the round scores in the GPU image on a GPU; the update asks for the run's ranks."""
+    from flytekit.types.directory import FlyteDirectory
+
+    from rlhf.data.arithmetic import make_arithmetic
+    from tasks.evaluate import score_policy
+    from workflows.ppo import ppo_round
+
+    cfg = load_config(None, ["rollout.name=vllm", "rollout.tensor_model_parallel_size=2",
+                             "trainer.n_gpus_per_node=4", "reward.model_path=/models/rm"])
+    policy, table = FlyteDirectory(path="s3://bucket/policy"), make_arithmetic(4, seed=0)
+    nodes, _ = _compiled_nodes(score_policy, cfg=cfg, policy=policy, val=table)
+    assert _gpus(nodes["tasks.evaluate.policy_score"]) == "2"
+    nodes, tasks = _compiled_nodes(ppo_round, cfg=cfg, train=table, val=table, base_model=policy, policy=policy,
+                                   checkpoint=None, state=RoundState(), run_id="")
+    assert _gpus(nodes["tasks.rollout.rollout"]) == "2" and _gpus(nodes["tasks.evaluate.evaluate"]) == "2"
+    assert _gpus(nodes["tasks.update.ppo_update"]) == "4"
+    assert "tasks.rollout.score" not in nodes
+    scorer = next(t for name, t in tasks.items() if name.endswith("tasks.rollout.score_with_model"))
+    assert "/flyte-rlhf-gpu:" in scorer.container.image

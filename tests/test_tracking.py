@@ -258,3 +258,49 @@ def test_wandb_offline_run(tmp_path, monkeypatch):
     sink.close()
     assert summary["critic/score/mean"] == 0.7
     assert any((tmp_path / "wandb").iterdir())
+
+
+def test_buffered_records_leave_with_the_task_and_the_next_task_sends_them(sqlite_uri, tmp_path, monkeypatch):
+    """A task whose MLflow server is down keeps its records in the state it returns
+    (`keep_pending`); the next task, in another pod (another buffer directory), sends them
+    into the same run once its server answers."""
+    import socket
+
+    from mlflow.tracking import MlflowClient
+
+    from rlhf import pipeline as P
+    from rlhf.config import load_config
+    from rlhf.state import RoundState
+
+    run_id = MlflowClient(sqlite_uri).create_run(
+        MlflowClient(sqlite_uri).create_experiment(f"carry-{tmp_path.name}")).info.run_id
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens once the socket closes
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    pod_a = load_config(None, ["trainer.logger=[mlflow]", f"trainer.mlflow_tracking_uri={down}",
+                               f"trainer.output_dir={tmp_path / 'pod_a'}"])
+    sink = P.tracking_sink(pod_a, run_id, RoundState())
+    sink.log_metrics({"actor/pg_loss": 0.5}, step=1)
+    sink.log_metrics({"actor/pg_loss": 0.25}, step=2)
+    state = P.keep_pending(sink, RoundState(round=1))
+    assert state.round == 1 and len([r for r in state.tracking_pending if '"metrics"' in r]) == 2
+
+    pod_b = load_config(None, ["trainer.logger=[mlflow]", f"trainer.mlflow_tracking_uri={sqlite_uri}",
+                               f"trainer.output_dir={tmp_path / 'pod_b'}"])
+    sink_b = P.tracking_sink(pod_b, run_id, state)
+    history = MlflowClient(sqlite_uri).get_metric_history(run_id, "actor/pg_loss")
+    assert sorted((m.step, m.value) for m in history) == [(1, 0.5), (2, 0.25)]
+    assert P.keep_pending(sink_b, state).tracking_pending == []
+
+
+def test_wandb_tasks_of_one_execution_log_into_one_run(tmp_path, monkeypatch):
+    from rlhf.tracking import WandbSink
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    first = WandbSink("proj", "run", output_dir=str(tmp_path), run_id="execution0001")
+    first.close()
+    second = WandbSink("proj", "run", output_dir=str(tmp_path), run_id="execution0001")
+    assert first.run.id == second.run.id == "execution0001"
+    second.close()
+    assert WandbSink("proj", "run", output_dir=str(tmp_path)).run.id != "execution0001"

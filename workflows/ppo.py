@@ -4,13 +4,19 @@ or an early stop, then the report.
     pyflyte run workflows/ppo.py ppo_pipeline                 # embedded default, CPU
     pyflyte run workflows/ppo.py ppo_pipeline --cfg my.yaml   # any PPOConfig as YAML/JSON
 
-One round, as in `rlhf.train` (the in-process driver of the same stages):
+The rounds are a chain (`ppo_rounds`, not recursive), at one of two granularities
+(`trainer.granularity`), composing the same stage functions as `rlhf.train`:
 
-    sample_prompts -> rollout -> score -> ppo_update -> [evaluate] -> decide -> next round | finish
+    segment:  [ppo_segment (K rounds in one GPU task) -> evaluate -> decide] -> ... -> report
+    stage:    [sample_prompts -> rollout -> score -> ppo_update -> evaluate -> decide] -> ... -> report
+
+each link after the first behind a condition on the previous link's stop verdict.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import uuid
 from typing import NamedTuple, Optional
 
 import pandas as pd
@@ -20,17 +26,21 @@ from flytekit.types.directory import FlyteDirectory
 from containers.images import CPU_IMAGE
 from rlhf import pipeline as P
 from rlhf.config import PPOConfig
+from rlhf.segment import segment_end, segment_starts
 from rlhf.state import RoundState
 from sweeps.trial import TrialContext
 from tasks.base import CPU_SMALL, Prompts, gpu_resources
 from tasks.data import (dataset_fingerprint, fit_prompts, prepare_dataset, prepare_policy, rounds_from_epochs,
                         sample_prompts)
-from tasks.evaluate import decide, evaluate
-from tasks.rollout import rollout, score
-from tasks.run import check_config, finish, report, start_tracking
+from tasks.evaluate import decide, evaluate, generation_gpus
+from tasks.rollout import rollout, score_task
+from tasks.run import check_config, report, resume_point, start_tracking
+from tasks.segment import segment_task
 from tasks.update import elastic_for, update_task
 
 Rounds = NamedTuple("Rounds", [("model", FlyteDirectory), ("state", RoundState)])
+Link = NamedTuple("Link", [("model", FlyteDirectory), ("checkpoint", FlyteDirectory), ("state", RoundState),
+                           ("stop", bool)])
 Trained = NamedTuple("Trained", [("model", FlyteDirectory), ("metrics", pd.DataFrame), ("state", RoundState),
                                  ("run_id", str)])
 Pipeline = NamedTuple("Pipeline", [("model", FlyteDirectory), ("metrics", pd.DataFrame), ("state", RoundState)])
@@ -45,66 +55,95 @@ def prepare_data(cfg: PPOConfig) -> Data:
 
 
 @dynamic(requests=CPU_SMALL, container_image=CPU_IMAGE)
+def ppo_rounds(cfg: PPOConfig, train: Prompts, val: Prompts, base_model: FlyteDirectory, run_id: str,
+               trial: Optional[TrialContext] = None) -> Rounds:
+    """The run's rounds as a chain, built at once and not recursive: one link per segment
+    (`trainer.granularity=segment`, `rounds_per_segment` rounds each) or per round (`stage`),
+    each link after the first behind a condition on the previous link's stop verdict. With
+    `trainer.resume` naming a checkpoint (path or URI), the chain starts from it (weights,
+    optimizer state, round state); otherwise from `base_model`, validated first when
+    `val_before_train`."""
+    start = resume_point(cfg)
+    if start is not None:
+        uri, s = start
+        policy, checkpoint = FlyteDirectory(path=f"{uri.rstrip('/')}/actor"), FlyteDirectory(path=uri)
+    else:
+        checkpoint, policy, s = None, base_model, RoundState.initial(cfg)
+        if "wandb" in cfg.trainer.logger:  # one wandb run for every task of the execution
+            s = dataclasses.replace(s, wandb_id=uuid.uuid4().hex)
+    first = s.round  # a plain value: `s` becomes a promise below when the start is validated
+    if first >= cfg.trainer.total_rounds:
+        return Rounds(model=policy, state=s)
+    if start is None and P.should_validate_first(cfg, s):
+        s = evaluate(cfg=cfg, policy=base_model, val=val, state=s, run_id=run_id).with_overrides(
+            **gpu_overrides(generation_gpus(cfg))).state
+    link_wf = ppo_segment_link if cfg.trainer.granularity == "segment" else ppo_round
+    # A resumed run's first link goes from its round to the next segment boundary.
+    starts = [first] + [r for r in link_starts(cfg) if r > first]
+    link = link_wf(cfg=cfg, train=train, val=val, base_model=base_model, policy=policy, checkpoint=checkpoint,
+                   state=s, run_id=run_id, trial=trial)
+    for r in starts[1:]:
+        link = (conditional(f"continue_after_round_{r}")
+                .if_(link.stop.is_true())
+                .then(stopped(model=link.model, checkpoint=link.checkpoint, state=link.state, stop=link.stop))
+                .else_()
+                .then(link_wf(cfg=cfg, train=train, val=val, base_model=base_model, policy=link.model,
+                              checkpoint=link.checkpoint, state=link.state, run_id=run_id, trial=trial)))
+    return Rounds(model=link.model, state=link.state)
+
+
+def link_starts(cfg: PPOConfig) -> list[int]:
+    """The round counts the chain's links start from (a run resumed at round r starts there)."""
+    if cfg.trainer.granularity == "segment":
+        return segment_starts(cfg)
+    return list(range(cfg.trainer.total_rounds))
+
+
+@workflow
+def stopped(model: FlyteDirectory, checkpoint: FlyteDirectory, state: RoundState, stop: bool) -> Link:
+    """A link after an early stop: the stopped run's values passed on, no task run."""
+    return Link(model=model, checkpoint=checkpoint, state=state, stop=stop)
+
+
+@dynamic(requests=CPU_SMALL, container_image=CPU_IMAGE)
+def ppo_segment_link(cfg: PPOConfig, train: Prompts, val: Prompts, base_model: FlyteDirectory,
+                     policy: FlyteDirectory, checkpoint: Optional[FlyteDirectory], state: RoundState, run_id: str,
+                     trial: Optional[TrialContext] = None) -> Link:
+    """One colocated segment (its rounds in one GPU task), then the validation of its last
+    round (when scheduled) and the early-stop decision, as tasks with their own decks.
+    `policy` is the segment's starting policy (inside `checkpoint`; the base one first)."""
+    del policy  # the segment builds the policy from `checkpoint` (or the base model)
+    seg = segment_task(cfg)(cfg=cfg, train=train, val=val, base_model=base_model, checkpoint=checkpoint,
+                            state=state, run_id=run_id).with_overrides(
+        task_config=elastic_for(cfg), **gpu_overrides(cfg.trainer.n_gpus_per_node))
+    s = seg.state
+    if P.should_evaluate(cfg, segment_end(cfg, state.round)):
+        s = evaluate(cfg=cfg, policy=seg.policy, val=val, state=s, run_id=run_id).with_overrides(
+            **gpu_overrides(generation_gpus(cfg))).state
+    verdict = decide(cfg=cfg, state=s, steps=seg.steps, trial=trial)
+    return Link(model=seg.policy, checkpoint=seg.checkpoint, state=verdict.state, stop=verdict.stop)
+
+
+@dynamic(requests=CPU_SMALL, container_image=CPU_IMAGE)
 def ppo_round(cfg: PPOConfig, train: Prompts, val: Prompts, base_model: FlyteDirectory, policy: FlyteDirectory,
-              checkpoint: Optional[FlyteDirectory], state: Optional[RoundState], run_id: str,
-              trial: Optional[TrialContext] = None) -> Rounds:
-    """One round from `policy` (checkpoint `checkpoint`, state `state`; None for the first
-    round, which validates the starting policy first), then the next round or the end.
-    In a sweep's trial (`trial` given), `decide` also reports to the study's pruner."""
-    _local_room_for_rounds(cfg.trainer.total_rounds)
-    s = state or RoundState.initial(cfg)
-    if state is None and P.should_validate_first(cfg, s):
-        s = evaluate(cfg=cfg, policy=policy, val=val, state=s, run_id=run_id).state
-    sampled = sample_prompts(cfg=cfg, train=train, state=s)
+              checkpoint: Optional[FlyteDirectory], state: RoundState, run_id: str,
+              trial: Optional[TrialContext] = None) -> Link:
+    """One round, a task per stage, from `policy` (checkpoint `checkpoint`; none for the first
+    round). In a sweep's trial (`trial` given), `decide` also reports to the study's pruner."""
+    sampled = sample_prompts(cfg=cfg, train=train, state=state)
     rolled = rollout(cfg=cfg, policy=policy, prompts=sampled.prompts, state=sampled.state).with_overrides(
-        **gpu_overrides(cfg.rollout.tensor_model_parallel_size))
-    scored = score(cfg=cfg, rollouts=rolled)
-    if cfg.reward.model_path:
-        scored.with_overrides(**gpu_overrides(1))
+        **gpu_overrides(generation_gpus(cfg)))
+    scored = score_task(cfg)(cfg=cfg, rollouts=rolled)
     updated = update_task(cfg)(cfg=cfg, base_model=base_model, checkpoint=checkpoint, scored=scored,
                                state=sampled.state, run_id=run_id).with_overrides(
         task_config=elastic_for(cfg), **gpu_overrides(cfg.trainer.n_gpus_per_node))
     s = updated.state
-    done = (state.round if state else 0) + 1
+    done = state.round + 1
     if P.should_evaluate(cfg, done):
-        s = evaluate(cfg=cfg, policy=updated.policy, val=val, state=s, run_id=run_id).state
+        s = evaluate(cfg=cfg, policy=updated.policy, val=val, state=s, run_id=run_id).with_overrides(
+            **gpu_overrides(generation_gpus(cfg))).state
     verdict = decide(cfg=cfg, state=s, steps=updated.steps, trial=trial)
-    if done >= cfg.trainer.total_rounds:
-        return Rounds(model=updated.policy, state=verdict.state)
-    return (conditional("early_stop")
-            .if_(verdict.stop.is_true())
-            .then(finish(model=updated.policy, state=verdict.state))
-            .else_()
-            .then(ppo_round(cfg=cfg, train=train, val=val, base_model=base_model, policy=updated.policy,
-                            checkpoint=updated.checkpoint, state=verdict.state, run_id=run_id, trial=trial)))
-
-
-# Python frames one round's recursion level takes in flytekit's local executor (about 11
-# measured), with room to spare.
-LOCAL_FRAMES_PER_ROUND = 40
-
-
-def _local_room_for_rounds(total_rounds: int) -> None:
-    """Local execution only (on a cluster every task has its own pod and nothing changes), where
-    the rounds' recursion runs in one Python process: give this round's tasks a sandbox beside
-    the others rather than one named after every enclosing round's (flytekit prefixes a local
-    task sandbox with its parent's path, which passes the file-name length limit after about 30
-    rounds), and raise the interpreter's recursion limit to fit `total_rounds` levels."""
-    import os
-    import sys
-    import tempfile
-
-    from flytekit.core.context_manager import FlyteContextManager
-
-    state = FlyteContextManager.current_context().execution_state
-    if state is None or not state.is_local_execution() or state.user_space_params is None:
-        return
-    params = state.user_space_params
-    current = str(getattr(params.working_directory, "name", params.working_directory))
-    params._working_directory = tempfile.mkdtemp(prefix="round", dir=os.path.dirname(current.rstrip("/")))
-    needed = 1000 + LOCAL_FRAMES_PER_ROUND * total_rounds
-    if sys.getrecursionlimit() < needed:
-        sys.setrecursionlimit(needed)
+    return Link(model=updated.policy, checkpoint=updated.checkpoint, state=verdict.state, stop=verdict.stop)
 
 
 def gpu_overrides(n_gpus: int) -> dict:
@@ -118,8 +157,7 @@ def ppo_train(cfg: PPOConfig, train: Prompts, val: Prompts, base_model: FlyteDir
     run_id = start_tracking(cfg=cfg)
     fitted = fit_prompts(cfg=cfg, train=train, val=val, policy=base_model)
     run_cfg = rounds_from_epochs(cfg=cfg, train=fitted.train)
-    rounds = ppo_round(cfg=run_cfg, train=fitted.train, val=fitted.val, base_model=base_model, policy=base_model,
-                       checkpoint=None, state=None, run_id=run_id)
+    rounds = ppo_rounds(cfg=run_cfg, train=fitted.train, val=fitted.val, base_model=base_model, run_id=run_id)
     metrics = report(cfg=run_cfg, state=rounds.state, run_id=run_id)
     return Trained(model=rounds.model, metrics=metrics, state=rounds.state, run_id=run_id)
 

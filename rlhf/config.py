@@ -40,7 +40,7 @@ class ConfigError(ValueError):
 class SyntheticDataConfig:
     """The embedded arithmetic task used when no dataset files are given."""
 
-    n_sft: int = 300  # labeled problems the SFT warm-start sees (small: PPO's prompts need no labels)
+    n_sft: int = 300  # labeled problems the SFT warm-start sees (small: PPO's prompts need no labels); with user data and the tiny model, at most this many labeled train rows
     n_train: int = 20000  # unlabeled prompts PPO draws from (ground truth only for the verifier)
     n_val: int = 500  # held-out problems for greedy validation
     digits: int = 2  # digits per operand
@@ -495,6 +495,9 @@ def _plain(value: Any, key: str, seen: tuple[int, ...], count: list[int]) -> Any
 def from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> PPOConfig:
     """Build and validate a config from a nested mapping plus dotted overrides."""
     tree = _plain(data or {}, "", (), [0])  # a deep copy of plain data
+    from rlhf.config_ranges import warn_repeated
+
+    warn_repeated(overrides)
     for text in overrides:
         k, v = parse_override(text)
         _set_dotted(tree, k, _plain(v, k, (), [0]))
@@ -578,6 +581,9 @@ def validate(cfg: PPOConfig) -> None:
         raise ConfigError("rollout.gpu_memory_utilization must be in (0, 1]")
     if cfg.algorithm.adv_estimator == "grpo" and cfg.rollout.n < 2:
         raise ConfigError("algorithm.adv_estimator=grpo needs rollout.n >= 2 (a group per prompt)")
+    from rlhf.config_ranges import check_ranges
+
+    check_ranges(flat)
 
 
 def _refuse_credentials(flat: dict[str, Any]) -> None:

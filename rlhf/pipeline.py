@@ -101,10 +101,11 @@ def count_tokens(rollouts: pd.DataFrame) -> float:
 def step_metrics(steps: list[dict[str, float]], gen: dict[str, float], timing: dict[str, float], tokens: float,
                  world: int, trainer, device: torch.device) -> list[dict[str, float]]:
     """Each PPO step's metrics completed with the round's rollout metrics, its share of the
-    round's stage timings, throughput and MFU."""
+    round's stage timings (and their sum, `timing_s/step`), throughput and MFU."""
     out = []
     for m in steps:
-        m = {**m, **gen, **{k: v / len(steps) for k, v in timing.items()}}
+        m = {**m, **gen, **{k: v / len(steps) for k, v in timing.items()},
+             "timing_s/step": sum(timing.values()) / len(steps)}
         m.update(perf_metrics(m, tokens / len(steps), world, trainer, device))
         out.append(m)
     return out
@@ -147,11 +148,15 @@ def peak_flops(device: torch.device) -> float:
 
 
 def prepare_dataset(data: DataConfig) -> stages.DataBundle:
-    """Train and val prompt tables (and the labeled SFT split of the synthetic task, else an
-    empty table) from the data section alone."""
+    """Train and val prompt tables and the labeled SFT split (of the synthetic task, else up to
+    `data.synthetic.n_sft` labeled user rows, which warm-start the tiny default model; empty
+    when the user data has none) from the data section alone."""
+    from rlhf.data_checks import labeled_rows
+
     bundle = stages.prepare_data(PPOConfig(data=data))
     if bundle.sft is None:
-        bundle = stages.DataBundle(train=bundle.train, val=bundle.val, sft=bundle.train.iloc[:0])
+        sft = labeled_rows(bundle.train).head(data.synthetic.n_sft)
+        bundle = stages.DataBundle(train=bundle.train, val=bundle.val, sft=sft)
     return bundle
 
 

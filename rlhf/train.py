@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
@@ -54,6 +53,9 @@ class Run:
         policy_dir = str(resume / "actor") if resume else self.base_dir
         self.tokenizer = load_tokenizer(self.base_dir, trust_remote_code=cfg.model.trust_remote_code)
         self.data = stages.fit_data(self.data, self.tokenizer, cfg)
+        from rlhf.data_checks import check_fit
+
+        check_fit(cfg, len(self.data.train), self.base_dir)
         self.trainer = P.build_trainer(cfg, self.sizes, self.base_dir, self.device, resume)
         self.state = RoundState.initial(cfg)
         if resume:
@@ -63,6 +65,7 @@ class Run:
         self.engine = self._make_engine(policy_dir)
         self.reward_model = stages.load_reward_model(cfg, self.device)
         self.sink = self._make_sink()
+        self.last_step: dict[str, float] = {}  # the last PPO step's full metrics (for the round line)
         from rlhf.profiling import StepProfiler
 
         self.profiler = StepProfiler(cfg.trainer.profile_steps, self.out, self.device, self.rank)
@@ -80,7 +83,8 @@ class Run:
 
         if self.rank != 0:
             return NullSink()
-        sink = make_sink(self.cfg.trainer.logger, self.cfg, run_name=self.cfg.trainer.experiment_name)
+        names = [n for n in self.cfg.trainer.logger if n != "console"]  # the round line is the console's
+        sink = make_sink(names, self.cfg, run_name=self.cfg.trainer.experiment_name)
         from rlhf.config import flatten
 
         sink.log_params(flatten(self.cfg))
@@ -88,10 +92,15 @@ class Run:
 
     # -- one round -------------------------------------------------------------------------
     def evaluate(self) -> float:
-        metrics = stages.evaluate(self.engine, self.tokenizer, self.data.val, self.cfg, self.reward_model)
+        from rlhf.run_artifacts import log_generations
+
+        samples: list[dict] = []
+        metrics = stages.evaluate(self.engine, self.tokenizer, self.data.val, self.cfg, self.reward_model,
+                                  samples=samples)
         score = stages.val_score(metrics)
         self.state = record_val(self.state, score, self.cfg.early_stop.min_delta)
         self.sink.log_metrics(metrics, step=self.state.global_step)
+        log_generations(self.sink, self.state.global_step, samples, self.out)
         return score
 
     def round(self) -> Verdict:
@@ -119,6 +128,7 @@ class Run:
         for i, m in enumerate(steps):
             self.sink.log_metrics(m, step=self.state.global_step + i + 1)
         self.state = P.record_update(self.state, steps, self.trainer.kl_ctrl.value)
+        self.last_step = steps[-1] if steps else {}
         if P.should_evaluate(cfg, self.state.round):
             self.evaluate()
         self.state, verdict = decide(self.state, steps, cfg)
@@ -146,9 +156,9 @@ class Run:
             self.engine.update_weights(str(final / "actor"))
         return final
 
-    def close(self) -> None:
+    def close(self, status: str = "FINISHED") -> None:
         self.engine.close()
-        self.sink.close()
+        self.sink.close(status)
 
 
 def _lap(t: float) -> float:
@@ -156,39 +166,72 @@ def _lap(t: float) -> float:
 
 
 def train(cfg: PPOConfig) -> dict:
-    """Run PPO rounds until `trainer.total_rounds` or an early stop; returns the summary."""
-    run = Run(cfg)
+    """Run PPO rounds until `trainer.total_rounds` or an early stop; returns the summary.
+    A failure after tracking started ends the tracked run as FAILED."""
+    run, status = None, "FAILED"
     try:
+        run = Run(cfg)
         if P.should_validate_first(cfg, run.state):
             run.evaluate()
         verdict = Verdict(stop=bool(run.state.stop_reason), reason=run.state.stop_reason)
+        t_loop, rounds_before = time.perf_counter(), run.state.round
         while run.state.round < cfg.trainer.total_rounds and not verdict.stop:
             verdict = run.round()
-            _progress(run)
+            _progress(run, t_loop, run.state.round - rounds_before)
         summary = _summary(run, verdict)
         if run.rank == 0:
-            path = run.out / "summary.json"
-            path.write_text(json.dumps(summary, indent=2))
-            run.sink.log_metrics({k: v for k, v in summary.items() if isinstance(v, (int, float))},
-                                 step=run.state.global_step)
-            run.sink.log_artifact(str(path))
-            last = ckpt.latest_checkpoint(run.out)
-            if last is not None:
-                run.sink.log_artifact(str(last / "actor"), artifact_path="final_model")
+            _finish(run, summary)
+        status = "FINISHED"
         return summary
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
     finally:
-        run.close()
+        if run is not None:
+            run.close(status)
 
 
-def _progress(run: Run) -> None:
+def _finish(run: Run, summary: dict) -> None:
+    """Rank 0 at the end: summary.json (strict JSON), summary metrics, config, curves, final policy."""
+    from rlhf.results import write_summary
+    from rlhf.run_artifacts import log_results
+
+    last = ckpt.latest_checkpoint(run.out)
+    summary["final_policy"] = policy = str((last / "actor").resolve()) if last is not None else run.base_dir
+    summary["mlflow_run"] = _mlflow_run(run)
+    path = write_summary(run.out / "summary.json", summary)
+    run.sink.log_metrics({k: v for k, v in summary.items() if isinstance(v, (int, float))},
+                         step=run.state.global_step)
+    run.sink.log_artifact(str(path))
+    log_results(run.sink, run.cfg, run.state, summary.get("stop_reason", ""), policy, run.out)
+    if last is not None:
+        run.sink.log_artifact(str(last / "actor"), artifact_path="final_model")
+    run.sink.set_tags({"stop_reason": summary.get("stop_reason", "")})
+
+
+def _mlflow_run(run: Run) -> str:
+    """`<run id> at <tracking URI>` of the run's MLflow run, "" without one."""
+    from rlhf.tracking import default_tracking_uri, redact
+
+    sinks = getattr(run.sink, "sinks", [run.sink])
+    run_id = next((getattr(s, "run_id", "") for s in sinks if getattr(s, "run_id", "")), "")
+    if not run_id:
+        return ""
+    t = run.cfg.trainer
+    return f"{run_id} at {redact(default_tracking_uri(t.mlflow_tracking_uri, t.output_dir))}"
+
+
+def _progress(run: Run, t_loop: float, rounds_here: int) -> None:
+    """The round line (rank 0): k/N, step, headline metrics, time per step, elapsed, ETA."""
     if run.rank != 0:
         return
+    from rlhf.progress import print_line, round_line
+
     s = run.state
-    last = s.step_history[-1] if s.step_history else {}
-    print(f"round {s.round}/{run.cfg.trainer.total_rounds} step {s.global_step} "
-          f"score {last.get('critic/score/mean', float('nan')):.3f} val {s.last_val:.3f} "
-          f"kl {last.get('actor/current_kl', float('nan')):.4f} kl_coef {s.kl_coef:.4g} "
-          f"{time.perf_counter() - run.t0:.0f}s", flush=True)
+    last = {**(s.step_history[-1] if s.step_history else {}), **run.last_step}
+    per_round = (time.perf_counter() - t_loop) / max(1, rounds_here)
+    print_line(round_line(s.round, run.cfg.trainer.total_rounds, s.global_step, last, s.last_val,
+                          time.perf_counter() - run.t0, per_round))
 
 
 def _summary(run: Run, verdict: Verdict) -> dict:
@@ -197,30 +240,50 @@ def _summary(run: Run, verdict: Verdict) -> dict:
         out["stop_reason"] = verdict.reason
     val_history = out.pop("val_history")
     out.update({"wall_s": time.perf_counter() - run.t0, "resumed_from": run.resumed_from, "world_size": run.world,
-                "output_dir": str(run.out), "val_history": val_history})
+                "output_dir": str(run.out.resolve()), "val_history": val_history})
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rlhf.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cfg", help="YAML or JSON config file (verl-style keys)")
+    p.add_argument("--cfg", help="YAML or JSON config file (verl-style keys; see docs/CONFIG.md)")
     p.add_argument("--summary-json", help="also write the summary here")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the config, data files and model directory, print the plan, and exit")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.clip_ratio=0.3")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rlhf.check import CheckFailed, preflight
+
+    p = _parser()
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_config(args.cfg, args.overrides)
-    except ConfigError as e:
+        plan = preflight(cfg)
+    except (ConfigError, CheckFailed) as e:
         p.exit(2, f"error: {e}\n")
+    if args.dry_run:
+        print(plan.text())
+        return 0
     summary = train(cfg)
-    if args.summary_json and D.world()[0] == 0:
-        Path(args.summary_json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.summary_json).write_text(json.dumps(summary, indent=2))
     if D.world()[0] == 0:
-        print(json.dumps({k: v for k, v in summary.items() if k != "val_history"}, indent=2))
+        from rlhf.results import summary_rows, summary_table, write_summary
+
+        if args.summary_json:
+            write_summary(args.summary_json, summary)
+        print(summary_table(summary_rows(summary, _places(summary))), flush=True)
     D.shutdown()
     return 0
+
+
+def _places(summary: dict) -> dict[str, str]:
+    out = summary.get("output_dir", "")
+    return {"outputs": out, "summary": str(Path(out) / "summary.json") if out else "",
+            "final policy": summary.get("final_policy", ""), "MLflow run": summary.get("mlflow_run", "")}
 
 
 class _CallableModule(type(sys)):

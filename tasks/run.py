@@ -20,10 +20,15 @@ Finished = NamedTuple("Finished", [("model", FlyteDirectory), ("state", RoundSta
 
 @task(requests=CPU_SMALL, container_image=CPU_IMAGE)
 def check_config(cfg: PPOConfig) -> PPOConfig:
-    """The config, checked before any work starts: value ranges and choices, and batch sizes
-    that divide (`derive_sizes`); a `ConfigError` names the key and what to change."""
+    """The config, checked before any work starts: value ranges and choices, batch sizes
+    that divide (`derive_sizes`), local data files, model directories and the position limit
+    (`rlhf.check.preflight`); the error names the key, file or row and what to change."""
+    from rlhf.check import preflight
+
     checked = replace(cfg, [])
     derive_sizes(checked)
+    for warning in preflight(checked).warnings:
+        print(f"warning: {warning}", flush=True)
     return checked
 
 

@@ -285,13 +285,17 @@ def evaluate_policy(cfg: PPOConfig, model_dir: str, val: pd.DataFrame, state: Ro
     """Greedy validation of the policy saved in `model_dir`; the score is recorded in the state."""
     device = pick_device(cfg)
     engine, tokenizer = _make_engine(cfg, model_dir, device)
+    samples: list[dict] = []
     try:
-        metrics = stages.evaluate(engine, tokenizer, val, cfg, stages.load_reward_model(cfg, device))
+        metrics = stages.evaluate(engine, tokenizer, val, cfg, stages.load_reward_model(cfg, device), samples=samples)
     finally:
         engine.close()
     new = record_val(state, stages.val_score(metrics), cfg.early_stop.min_delta)
     if sink is not None:
+        from rlhf.run_artifacts import log_generations
+
         sink.log_metrics(metrics, step=new.global_step)
+        log_generations(sink, new.global_step, samples, cfg.trainer.output_dir)
     return new, metrics
 
 
@@ -338,22 +342,23 @@ def metrics_table(state: RoundState) -> pd.DataFrame:
 # ---------------------------------------------------------------------------------
 
 
-def open_tracking(cfg: PPOConfig, run_name: Optional[str] = None) -> str:
-    """Create the run's MLflow run (params logged) when `trainer.logger` lists mlflow;
-    returns its id, or "" when MLflow is not used."""
+def open_tracking(cfg: PPOConfig, run_name: Optional[str] = None, tags: Optional[dict] = None) -> str:
+    """Create the run's MLflow run (params logged, `tags` set) when `trainer.logger` lists
+    mlflow; returns its id, or "" when MLflow is not used."""
     if "mlflow" not in cfg.trainer.logger:
         return ""
     from rlhf.tracking import make_sink
 
-    sink = make_sink(["mlflow"], cfg, run_name=run_name)
+    sink = make_sink(["mlflow"], cfg, run_name=run_name, tags=tags)
     return sink.run_id
 
 
 def tracking_sink(cfg: PPOConfig, run_id: str = ""):
-    """The configured sinks, with MLflow resuming run `run_id` (not closed by the stages)."""
+    """The configured sinks, with MLflow resuming run `run_id` (not closed by the stages); no
+    console sink, since `decide` prints the round's line."""
     from rlhf.tracking import NullSink, make_sink
 
-    names = [n for n in cfg.trainer.logger if n != "mlflow" or run_id]
+    names = [n for n in cfg.trainer.logger if (n != "mlflow" or run_id) and n != "console"]
     if not names:
         return NullSink()
     return make_sink(names, cfg, run_id=run_id or None)

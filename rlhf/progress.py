@@ -50,7 +50,8 @@ def round_line(round_: int, total_rounds: int, step: int, last: Mapping[str, flo
     if val >= 0:
         parts.append(f"val/score {format_number(val)}")
     parts += [f"{key} {format_number(float(last[key]))}" for key in ROUND_KEYS[1:] if key in last]
-    parts.append(f"elapsed {format_duration(elapsed_s)}")
+    if math.isfinite(elapsed_s):
+        parts.append(f"elapsed {format_duration(elapsed_s)}")
     parts.append(f"ETA {format_duration(eta_seconds(round_, total_rounds, seconds_per_round))}")
     return " | ".join(parts)
 
@@ -66,3 +67,16 @@ def round_seconds(steps: list[Mapping[str, float]]) -> float:
     """A round's measured time from its steps' `timing_s/step` (NaN when not measured)."""
     times = [float(m["timing_s/step"]) for m in steps if "timing_s/step" in m]
     return sum(times) if times else math.nan
+
+
+def quiet_progress_bars() -> None:
+    """No progress bars from the libraries (transformers' weight loading and saving, the hub's
+    downloads), so that they never land between the round lines; `RLHF_PROGRESS_BARS=1` keeps them."""
+    import os
+
+    if os.environ.get("RLHF_PROGRESS_BARS") == "1":
+        return
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()

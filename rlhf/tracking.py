@@ -334,7 +334,7 @@ class MultiSink:
 
 
 def make_sink(names: Iterable[str], cfg, run_name: str | None = None, run_id: str | None = None,
-              parent_run_id: str | None = None) -> Sink:
+              parent_run_id: str | None = None, tags: dict[str, Any] | None = None) -> Sink:
     """Sinks for `names` (trainer.logger: "console", "mlflow", "wandb", "none") from a PPOConfig.
 
     MLflow: experiment `trainer.project_name`, run name `run_name` or `trainer.experiment_name`
@@ -355,7 +355,7 @@ def make_sink(names: Iterable[str], cfg, run_name: str | None = None, run_id: st
 
             sink = BufferedMLflowSink(os.path.join(t.output_dir, "mlflow_buffer"), t.mlflow_tracking_uri,
                                       t.project_name, name, run_id=run_id, parent_run_id=parent_run_id,
-                                      output_dir=t.output_dir)
+                                      tags=tags, output_dir=t.output_dir)
             sink.log_params(flatten(cfg))
             sinks.append(sink)
         elif kind == "wandb":

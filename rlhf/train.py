@@ -269,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(plan.text())
         return 0
+    from rlhf.progress import quiet_progress_bars
+
+    quiet_progress_bars()
     summary = train(cfg)
     if D.world()[0] == 0:
         from rlhf.results import summary_rows, summary_table, write_summary

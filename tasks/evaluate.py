@@ -53,4 +53,14 @@ def decide(cfg: PPOConfig, state: RoundState, steps: list[dict[str, float]],
     if trial is not None:
         new, verdict = check_pruning(trial, new, verdict, rounds_left=new.round < cfg.trainer.total_rounds)
     Deck(DECK, training_html(new, verdict.reason))
+    print_round(cfg, new, steps)
     return Decided(state=new, stop=verdict.stop, reason=verdict.reason)
+
+
+def print_round(cfg: PPOConfig, state: RoundState, steps: list[dict[str, float]]) -> None:
+    """The round's console line (as `rlhf.train` prints it), the ETA from this round's timings."""
+    from rlhf.progress import print_line, round_line, round_seconds
+
+    per_round = round_seconds(steps)
+    print_line(round_line(state.round, cfg.trainer.total_rounds, state.global_step, steps[-1] if steps else {},
+                          state.last_val, float("nan"), per_round))

@@ -26,7 +26,7 @@ from tasks.base import CPU_SMALL, Prompts, gpu_resources
 from tasks.data import dataset_fingerprint, fit_prompts, prepare_dataset, prepare_policy, sample_prompts
 from tasks.evaluate import decide, evaluate
 from tasks.rollout import rollout, score
-from tasks.run import check_config, finish, report, start_tracking
+from tasks.run import check_config, fail_tracking, finish, report, start_tracking
 from tasks.update import elastic_for, update_task
 
 Rounds = NamedTuple("Rounds", [("model", FlyteDirectory), ("state", RoundState)])
@@ -118,14 +118,16 @@ def ppo_train(cfg: PPOConfig, train: Prompts, val: Prompts, base_model: FlyteDir
     fitted = fit_prompts(cfg=cfg, train=train, val=val, policy=base_model)
     rounds = ppo_round(cfg=cfg, train=fitted.train, val=fitted.val, base_model=base_model, policy=base_model,
                        checkpoint=None, state=None, run_id=run_id)
-    metrics = report(cfg=cfg, state=rounds.state, run_id=run_id)
+    metrics = report(cfg=cfg, state=rounds.state, run_id=run_id, model=rounds.model)
     return Trained(model=rounds.model, metrics=metrics, state=rounds.state, run_id=run_id)
 
 
-@workflow
+@workflow(on_failure=fail_tracking)
 def ppo_pipeline(cfg: PPOConfig = PPOConfig()) -> Pipeline:
     """Data, starting policy (`model.path`, or the tiny model SFT-warm-started in code), PPO
-    rounds; returns the final policy directory, the per-step metrics table and the state."""
+    rounds; returns the final policy directory, the per-step metrics table and the state.
+    Every config key and its meaning: docs/CONFIG.md. Check a launch first, in seconds:
+    python -m rlhf.check --cfg my.yaml"""
     checked = check_config(cfg=cfg)
     data = prepare_data(cfg=checked)
     base = prepare_policy(model=checked.model, seed=checked.trainer.seed, sft=data.sft)

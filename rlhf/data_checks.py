@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 
 import pandas as pd
@@ -68,7 +67,7 @@ def resampling_message(n_rows: int, cfg: PPOConfig) -> str:
         return ""
     per_round = cfg.trainer.steps_per_round * cfg.data.train_batch_size
     return (f"the train set has {n_rows} prompts but a round draws {per_round} (trainer.steps_per_round * "
-            f"data.train_batch_size), so each prompt is used about {math.ceil(factor)} times a round; give more "
+            f"data.train_batch_size), so each prompt is used about {factor:.1f} times a round; give more "
             f"train rows or lower data.train_batch_size to at most {n_rows}")
 
 

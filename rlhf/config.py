@@ -495,9 +495,6 @@ def _plain(value: Any, key: str, seen: tuple[int, ...], count: list[int]) -> Any
 def from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> PPOConfig:
     """Build and validate a config from a nested mapping plus dotted overrides."""
     tree = _plain(data or {}, "", (), [0])  # a deep copy of plain data
-    from rlhf.config_ranges import warn_repeated
-
-    warn_repeated(overrides)
     for text in overrides:
         k, v = parse_override(text)
         _set_dotted(tree, k, _plain(v, k, (), [0]))
@@ -507,7 +504,11 @@ def from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> PPOCon
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> PPOConfig:
-    """Load YAML or JSON (`path` may be None for the defaults) and apply overrides."""
+    """Load YAML or JSON (`path` may be None for the defaults) and apply overrides (a key
+    given twice among them is warned about: the last one wins)."""
+    from rlhf.config_ranges import warn_repeated
+
+    warn_repeated(overrides)
     data: dict = {}
     if path:
         try:

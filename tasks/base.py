@@ -19,7 +19,12 @@ from flytekit.exceptions.user import FlyteRecoverableException
 from flytekit.extras.accelerators import H100
 from pandera.typing import DataFrame
 
+from rlhf.config_doc import describe_fields
 from schemas import PromptSchema, RolloutSchema, ScoredRolloutSchema
+
+# Before any task's interface is built: each config key's meaning (its comment, as in
+# docs/CONFIG.md) goes into the input schema that `pyflyte run ... --help` prints.
+describe_fields()
 
 Prompts = DataFrame[PromptSchema]
 Rollouts = DataFrame[RolloutSchema]

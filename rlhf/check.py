@@ -24,6 +24,9 @@ from rlhf.config import ConfigError, PPOConfig, derive_sizes, load_config
 log = logging.getLogger(__name__)
 
 
+MAX_CHECK_BYTES = 256 << 20  # local datasets up to this size are read and validated by the check
+
+
 class CheckFailed(ValueError):
     """A launch that cannot run: the message names the key, file or row and what to do."""
 
@@ -56,6 +59,10 @@ def _check_data(cfg: PPOConfig, plan: Plan) -> int:
     if not (_is_local(d.train_files) and _is_local(d.val_files)):
         plan.lines.append(f"data: {d.train_files} / {d.val_files} (remote: read by the run, not here)")
         return -1
+    if _local_bytes(d.train_files, d.base_dir) + _local_bytes(d.val_files, d.base_dir) > MAX_CHECK_BYTES:
+        plan.lines.append(f"data: {d.train_files} / {d.val_files} (over {MAX_CHECK_BYTES >> 20} MiB: files found, "
+                          "rows validated by the run)")
+        return -1
     from rlhf.data.io import read_prompts
     from rlhf.stages import check_data_sources
 
@@ -69,6 +76,14 @@ def _check_data(cfg: PPOConfig, plan: Plan) -> int:
         sft = user_sft_split(train, d.synthetic.n_sft)
         plan.lines.append(f"warm-start: the tiny model on {len(sft)} labeled train rows (target '#### <answer>')")
     return len(train)
+
+
+def _local_bytes(path: str, base_dir: str) -> int:
+    """Total size of the parquet files behind a local dataset path (raises when there are none)."""
+    from rlhf.data.io import list_parquet_files, resolve_path
+
+    fs, files = list_parquet_files(resolve_path(path, base_dir))
+    return sum(int(fs.size(f) or 0) for f in files)
 
 
 def _check_models(cfg: PPOConfig, plan: Plan) -> None:

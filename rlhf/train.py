@@ -100,7 +100,8 @@ class Run:
         score = stages.val_score(metrics)
         self.state = record_val(self.state, score, self.cfg.early_stop.min_delta)
         self.sink.log_metrics(metrics, step=self.state.global_step)
-        log_generations(self.sink, self.state.global_step, samples, self.out)
+        if self.rank == 0:
+            log_generations(self.sink, self.state.global_step, samples, self.out)
         return score
 
     def round(self) -> Verdict:
@@ -272,7 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     from rlhf.progress import quiet_progress_bars
 
     quiet_progress_bars()
-    summary = train(cfg)
+    try:
+        summary = train(cfg)
+    except _user_errors() as e:  # found only once the data or model is loaded: still the message alone
+        p.exit(2, f"error: {e}\n")
     if D.world()[0] == 0:
         from rlhf.results import summary_rows, summary_table, write_summary
 
@@ -281,6 +285,15 @@ def main(argv: list[str] | None = None) -> int:
         print(summary_table(summary_rows(summary, _places(summary))), flush=True)
     D.shutdown()
     return 0
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors that name a key, file or row and what to do: shown without a traceback."""
+    from rlhf.check import CheckFailed
+    from rlhf.data.io import DataValidationError
+    from rlhf.models.load import ModelLoadError
+
+    return ConfigError, CheckFailed, DataValidationError, ModelLoadError
 
 
 def _places(summary: dict) -> dict[str, str]:

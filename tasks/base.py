@@ -79,3 +79,17 @@ def retry_transient() -> Iterator[None]:
         yield
     except TRANSIENT as e:
         raise FlyteRecoverableException(f"transient failure, retrying: {type(e).__name__}: {e}") from e
+
+
+def launch_seconds() -> float | None:
+    """Wall time so far of a local execution (this process's age: every task of a local launch
+    runs in it); None on a cluster, where each task has its own pod."""
+    import time
+
+    import psutil
+    from flytekit.core.context_manager import FlyteContextManager
+
+    state = FlyteContextManager.current_context().execution_state
+    if state is not None and not state.is_local_execution():
+        return None
+    return time.time() - psutil.Process().create_time()

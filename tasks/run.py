@@ -15,7 +15,7 @@ from rlhf import pipeline as P
 from rlhf.config import PPOConfig, derive_sizes, replace
 from rlhf.plots import training_html
 from rlhf.state import RoundState
-from tasks.base import CPU_SMALL, DECK, DECK_FIELDS, TRACKING_SECRETS, retry_transient
+from tasks.base import CPU_SMALL, DECK, DECK_FIELDS, TRACKING_SECRETS, launch_seconds, retry_transient
 
 Finished = NamedTuple("Finished", [("model", FlyteDirectory), ("state", RoundState)])
 
@@ -127,7 +127,7 @@ def print_results(cfg: PPOConfig, summary: dict, policy: str, run_id: str) -> No
 
     ctx = FlyteContextManager.current_context()
     out = os.path.abspath(cfg.trainer.output_dir)
-    wall = _launch_seconds(ctx)
+    wall = launch_seconds()
     if wall is not None:
         summary = {**summary, "wall_s": wall}
     where = {"outputs": out, "final policy": policy,
@@ -135,15 +135,3 @@ def print_results(cfg: PPOConfig, summary: dict, policy: str, run_id: str) -> No
                       f"{ctx.file_access.local_sandbox_dir}",
              "MLflow run": f"{run_id} at {redact(registry_uri(cfg))}" if run_id else ""}
     print(summary_table(summary_rows(summary, where)), flush=True)
-
-
-def _launch_seconds(ctx) -> Optional[float]:
-    """Wall time of a local execution (this process's age); None on a cluster (one pod per task)."""
-    import time
-
-    import psutil
-
-    state = ctx.execution_state
-    if state is not None and not state.is_local_execution():
-        return None
-    return time.time() - psutil.Process().create_time()

@@ -40,7 +40,7 @@ class ConfigError(ValueError):
 class SyntheticDataConfig:
     """The embedded arithmetic task used when no dataset files are given."""
 
-    n_sft: int = 300  # labeled problems the SFT warm-start sees (small: PPO's prompts need no labels); with user data and the tiny model, at most this many labeled train rows
+    n_sft: int = 300  # labeled problems the SFT warm-start sees (user data: at most this many labeled train rows)
     n_train: int = 20000  # unlabeled prompts PPO draws from (ground truth only for the verifier)
     n_val: int = 500  # held-out problems for greedy validation
     digits: int = 2  # digits per operand

@@ -40,7 +40,7 @@ class ConfigError(ValueError):
 class SyntheticDataConfig:
     """The embedded arithmetic task used when no dataset files are given."""
 
-    n_sft: int = 300  # labeled problems the SFT warm-start sees (small: PPO's prompts need no labels)
+    n_sft: int = 300  # labeled problems the SFT warm-start sees (user data: at most this many labeled train rows)
     n_train: int = 20000  # unlabeled prompts PPO draws from (ground truth only for the verifier)
     n_val: int = 500  # held-out problems for greedy validation
     digits: int = 2  # digits per operand
@@ -518,7 +518,11 @@ def from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> PPOCon
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> PPOConfig:
-    """Load YAML or JSON (`path` may be None for the defaults) and apply overrides."""
+    """Load YAML or JSON (`path` may be None for the defaults) and apply overrides (a key
+    given twice among them is warned about: the last one wins)."""
+    from rlhf.config_ranges import warn_repeated
+
+    warn_repeated(overrides)
     data: dict = {}
     if path:
         try:
@@ -599,6 +603,9 @@ def validate(cfg: PPOConfig) -> None:
             raise ConfigError(f"config key '{key}' must be >= 0, got {flat[key]}")
     if cfg.algorithm.adv_estimator == "grpo" and cfg.rollout.n < 2:
         raise ConfigError("algorithm.adv_estimator=grpo needs rollout.n >= 2 (a group per prompt)")
+    from rlhf.config_ranges import check_ranges
+
+    check_ranges(flat)
 
 
 def _refuse_credentials(flat: dict[str, Any]) -> None:

@@ -36,8 +36,11 @@ def score_metrics(data_sources: list[str], scores: list[float], lengths: list[in
 
 def evaluate_greedy(engine: RolloutEngine, tokenizer, df: pd.DataFrame, max_prompt_length: int,
                     max_response_length: int, reward_cfg: RewardConfig, reward_model=None,
-                    prompt_format: str = "text", truncation: str = "error") -> dict[str, float]:
-    """Greedy-decode every prompt of `df` (PromptSchema columns) and score it; returns flat metrics."""
+                    prompt_format: str = "text", truncation: str = "error", samples: list | None = None,
+                    n_samples: int = 8) -> dict[str, float]:
+    """Greedy-decode every prompt of `df` (PromptSchema columns) and score it; returns flat metrics.
+    With a `samples` list, its first `n_samples` rows are appended to it as dicts (data_source,
+    prompt, response, ground_truth, score) for the run's generations table."""
     from rlhf.data.sampling import tokenize_prompts
     from rlhf.rewards import compute_scores
 
@@ -49,4 +52,13 @@ def evaluate_greedy(engine: RolloutEngine, tokenizer, df: pd.DataFrame, max_prom
     scores = compute_scores(df["data_source"].tolist(), texts, df["ground_truth"].tolist(),
                             df["extra_info"].tolist(), df["reward_style"].tolist(), reward_cfg,
                             reward_model=reward_model, prompts=df["prompt"].tolist())
+    if samples is not None:
+        samples.extend(_samples(df, texts, scores, n_samples))
     return score_metrics(df["data_source"].tolist(), scores, lengths, reward_cfg.score)
+
+
+def _samples(df: pd.DataFrame, texts: list[str], scores: list[float], n: int) -> list[dict]:
+    head = df.head(n)
+    return [{"data_source": str(src), "prompt": str(p), "response": t,
+             "ground_truth": None if pd.isna(g) else str(g), "score": float(s)}
+            for src, p, g, t, s in zip(head["data_source"], head["prompt"], head["ground_truth"], texts, scores)]

@@ -92,25 +92,28 @@ def download(tracking_uri: str, version: ModelVersion, dst_dir: str) -> str:
                                                tracking_uri=tracking_uri)
 
 
-def promotion_decision(challenger: float, incumbent: Optional[float], min_delta: float = 0.0
-                       ) -> tuple[bool, str]:
+def promotion_decision(challenger: float, incumbent: Optional[float], min_delta: float = 0.0,
+                       incumbent_name: str = "champion") -> tuple[bool, str]:
     """Whether a challenger scoring `challenger` takes the alias from an incumbent scoring
-    `incumbent` (None: there is no champion yet), and why."""
+    `incumbent` (None: nothing to beat), and why. Before there is a champion, the incumbent
+    is the starting policy (`incumbent_name="starting policy"`): a retraining that made the
+    policy worse is not promoted."""
     if not math.isfinite(challenger):
         return False, f"challenger val score {challenger} is not finite"
-    if incumbent is None:
+    head = "no champion yet; " if incumbent_name != "champion" else ""
+    if incumbent is None or not math.isfinite(incumbent):
         return True, f"no champion yet; challenger val score {challenger:.4f}"
     if challenger > incumbent + min_delta:
-        return True, f"challenger val score {challenger:.4f} beats champion {incumbent:.4f}"
-    return False, (f"challenger val score {challenger:.4f} does not beat champion {incumbent:.4f}"
+        return True, f"{head}challenger val score {challenger:.4f} beats {incumbent_name} {incumbent:.4f}"
+    return False, (f"{head}challenger val score {challenger:.4f} does not beat {incumbent_name} {incumbent:.4f}"
                    + (f" by more than {min_delta}" if min_delta else ""))
 
 
 def decide_promotion(tracking_uri: str, name: str, version: ModelVersion, incumbent: Optional[float],
-                     min_delta: float = 0.0) -> tuple[bool, str]:
+                     min_delta: float = 0.0, incumbent_name: str = "champion") -> tuple[bool, str]:
     """Apply `promotion_decision` to registered `version`: move the `champion` alias to it when
     it wins; record the verdict and its reason as tags of the version either way."""
-    promoted, reason = promotion_decision(version.val_score, incumbent, min_delta)
+    promoted, reason = promotion_decision(version.val_score, incumbent, min_delta, incumbent_name)
     client = _client(tracking_uri)
     if promoted:
         client.set_registered_model_alias(name, CHAMPION, version.version)

@@ -111,10 +111,11 @@ def count_tokens(rollouts: pd.DataFrame) -> float:
 def step_metrics(steps: list[dict[str, float]], gen: dict[str, float], timing: dict[str, float], tokens: float,
                  world: int, trainer, device: torch.device) -> list[dict[str, float]]:
     """Each PPO step's metrics completed with the round's rollout metrics, its share of the
-    round's stage timings, throughput and MFU."""
+    round's stage timings (and their sum, `timing_s/step`), throughput and MFU."""
     out = []
     for m in steps:
-        m = {**m, **gen, **{k: v / len(steps) for k, v in timing.items()}}
+        m = {**m, **gen, **{k: v / len(steps) for k, v in timing.items()},
+             "timing_s/step": sum(timing.values()) / len(steps)}
         m.update(perf_metrics(m, tokens / len(steps), world, trainer, device))
         out.append(m)
     return out
@@ -157,11 +158,15 @@ def peak_flops(device: torch.device) -> float:
 
 
 def prepare_dataset(data: DataConfig) -> stages.DataBundle:
-    """Train and val prompt tables (and the labeled SFT split of the synthetic task, else an
-    empty table) from the data section alone."""
+    """Train and val prompt tables and the labeled SFT split (of the synthetic task, else up to
+    `data.synthetic.n_sft` labeled user rows, which warm-start the tiny default model; empty
+    when the user data has none) from the data section alone."""
+    from rlhf.data_checks import labeled_rows
+
     bundle = stages.prepare_data(PPOConfig(data=data))
     if bundle.sft is None:
-        bundle = stages.DataBundle(train=bundle.train, val=bundle.val, sft=bundle.train.iloc[:0])
+        sft = labeled_rows(bundle.train).head(data.synthetic.n_sft)
+        bundle = stages.DataBundle(train=bundle.train, val=bundle.val, sft=sft)
     return bundle
 
 
@@ -290,13 +295,17 @@ def evaluate_policy(cfg: PPOConfig, model_dir: str, val: pd.DataFrame, state: Ro
     """Greedy validation of the policy saved in `model_dir`; the score is recorded in the state."""
     device = pick_device(cfg)
     engine, tokenizer = _make_engine(cfg, model_dir, device)
+    samples: list[dict] = []
     try:
-        metrics = stages.evaluate(engine, tokenizer, val, cfg, stages.load_reward_model(cfg, device))
+        metrics = stages.evaluate(engine, tokenizer, val, cfg, stages.load_reward_model(cfg, device), samples=samples)
     finally:
         engine.close()
     new = record_val(state, stages.val_score(metrics), cfg.early_stop.min_delta)
     if sink is not None:
+        from rlhf.run_artifacts import log_generations
+
         sink.log_metrics(metrics, step=new.global_step)
+        log_generations(sink, new.global_step, samples, cfg.trainer.output_dir)
     return new, metrics
 
 
@@ -343,24 +352,24 @@ def metrics_table(state: RoundState) -> pd.DataFrame:
 # ---------------------------------------------------------------------------------
 
 
-def open_tracking(cfg: PPOConfig, run_name: Optional[str] = None) -> str:
-    """Create the run's MLflow run (params logged) when `trainer.logger` lists mlflow;
-    returns its id, or "" when MLflow is not used."""
+def open_tracking(cfg: PPOConfig, run_name: Optional[str] = None, tags: Optional[dict] = None) -> str:
+    """Create the run's MLflow run (params logged, `tags` set) when `trainer.logger` lists
+    mlflow; returns its id, or "" when MLflow is not used."""
     if "mlflow" not in cfg.trainer.logger:
         return ""
     from rlhf.tracking import make_sink
 
-    sink = make_sink(["mlflow"], cfg, run_name=run_name)
+    sink = make_sink(["mlflow"], cfg, run_name=run_name, tags=tags)
     return sink.run_id
 
 
 def tracking_sink(cfg: PPOConfig, run_id: str = "", state: Optional[RoundState] = None):
     """The configured sinks, with MLflow resuming run `run_id` (not closed by the stages) and
     wandb the run `state.wandb_id`; MLflow records an earlier task left in `state` (its server
-    was down) are sent first."""
+    was down) are sent first. No console sink, since `decide` prints the round's line."""
     from rlhf.tracking import NullSink, make_sink
 
-    names = [n for n in cfg.trainer.logger if n != "mlflow" or run_id]
+    names = [n for n in cfg.trainer.logger if (n != "mlflow" or run_id) and n != "console"]
     if not names:
         return NullSink()
     sink = make_sink(names, cfg, run_id=run_id or None, wandb_id=(state.wandb_id if state else "") or None)

@@ -93,11 +93,12 @@ def prepare_policy(cfg: PPOConfig, out_dir: str | os.PathLike, data: DataBundle)
     base = Path(out_dir) / "base_model"
     if (base / "config.json").is_file():
         return str(base)
-    if data.sft is None:
-        raise ValueError("the default tiny model needs the synthetic SFT split; set model.path to use your data")
+    from rlhf.data_checks import user_sft_split
     from rlhf.models.default import build_default_policy
 
-    return build_default_policy(cfg, str(base), data.sft)
+    # User data: the tiny model is warm-started on its labeled rows (target "#### <ground truth>").
+    sft = data.sft if data.sft is not None else user_sft_split(data.train, cfg.data.synthetic.n_sft)
+    return build_default_policy(cfg, str(base), sft)
 
 
 # -- sample -----------------------------------------------------------------------------------
@@ -375,16 +376,17 @@ def update(trainer, scored: pd.DataFrame, pad_id: int, cfg: PPOConfig) -> list[d
 # -- evaluate ---------------------------------------------------------------------------------
 
 
-def evaluate(engine: RolloutEngine, tokenizer, val: pd.DataFrame, cfg: PPOConfig, reward_model=None
-             ) -> dict[str, float]:
-    """Greedy validation: flat `val-core/<source>/reward/mean@1` metrics and `val/accuracy`."""
+def evaluate(engine: RolloutEngine, tokenizer, val: pd.DataFrame, cfg: PPOConfig, reward_model=None,
+             samples: list | None = None) -> dict[str, float]:
+    """Greedy validation: flat `val-core/<source>/reward/mean@1` metrics and `val/accuracy`
+    (with a `samples` list, a few prompts, responses and scores are appended to it)."""
     from rlhf.evaluate import evaluate_greedy
     from rlhf.faults import oom_as_recoverable, rollout_memory_settings
 
     with oom_as_recoverable("validation rollout", rollout_memory_settings(cfg)):
         return evaluate_greedy(engine, tokenizer, val, cfg.data.max_prompt_length, cfg.data.max_response_length,
                                cfg.reward, reward_model=reward_model, prompt_format=cfg.data.prompt_format,
-                               truncation=cfg.data.truncation)
+                               truncation=cfg.data.truncation, samples=samples)
 
 
 def val_score(metrics: dict[str, float]) -> float:

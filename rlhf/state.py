@@ -42,6 +42,13 @@ class RoundState:
     tracking_pending: list[str] = field(default_factory=list)  # JSON records of BufferedMLflowSink
     checkpoints: list[str] = field(default_factory=list)  # URIs of the Flyte tasks' checkpoints, newest last
 
+    def __repr__(self) -> str:
+        """One line (the histories as counts), so that a printed workflow output stays short."""
+        return (f"RoundState(round={self.round}, global_step={self.global_step}, kl_coef={self.kl_coef:.5g}, "
+                f"val_start={self.val_start:.4f}, last_val={self.last_val:.4f}, best_val={self.best_val:.4f}, "
+                f"stop_reason={self.stop_reason!r}, skipped_steps={self.skipped_steps}, "
+                f"step_history=<{len(self.step_history)} steps>, val_history=<{len(self.val_history)} evaluations>)")
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 

@@ -28,16 +28,10 @@ import warnings
 from typing import Any, Iterable, Protocol, TextIO, runtime_checkable
 
 # Console line: (metric key, short label); val-core/* and val/* keys are appended as found.
-CONSOLE_KEYS: tuple[tuple[str, str], ...] = (
-    ("critic/score/mean", "score"),
-    ("actor/ppo_kl", "kl"),
-    ("actor/pg_loss", "pg_loss"),
-    ("critic/vf_loss", "vf_loss"),
-    ("actor/entropy", "entropy"),
-    ("response_length/mean", "len"),
-    ("actor/reward_kl_penalty_coeff", "kl_coef"),
-    ("timing_s/step", "s"),
-)
+# Labels are the metric names themselves, as the decks and MLflow show them.
+CONSOLE_KEYS: tuple[tuple[str, str], ...] = tuple((k, k) for k in (
+    "critic/score/mean", "actor/current_kl", "actor/pg_loss", "critic/vf_loss", "actor/entropy",
+    "response_length/mean", "actor/reward_kl_penalty_coeff", "timing_s/step"))
 _log = logging.getLogger(__name__)
 PARAM_VALUE_MAX = 6000  # MLflow's limit on a param value
 TAG_VALUE_MAX = 8000  # MLflow's limit on a tag value
@@ -55,7 +49,7 @@ class Sink(Protocol):
 
     def set_tags(self, tags: dict[str, Any]) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, status: str = "FINISHED") -> None: ...
 
 
 # ---------------------------------------------------------------------------------
@@ -162,7 +156,7 @@ class NullSink:
     def set_tags(self, tags: dict[str, Any]) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, status: str = "FINISHED") -> None:
         pass
 
 
@@ -313,8 +307,8 @@ class WandbSink:
     def set_tags(self, tags: dict[str, Any]) -> None:
         self.run.tags = tuple(self.run.tags or ()) + tuple(f"{k}:{v}" for k, v in tags.items())
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, status: str = "FINISHED") -> None:
+        self.run.finish(exit_code=0 if status == "FINISHED" else 1)
 
 
 class MultiSink:
@@ -339,13 +333,14 @@ class MultiSink:
         for s in self.sinks:
             s.set_tags(tags)
 
-    def close(self) -> None:
+    def close(self, status: str = "FINISHED") -> None:
         for s in self.sinks:
-            s.close()
+            s.close(status)
 
 
 def make_sink(names: Iterable[str], cfg, run_name: str | None = None, run_id: str | None = None,
-              parent_run_id: str | None = None, wandb_id: str | None = None) -> Sink:
+              parent_run_id: str | None = None, wandb_id: str | None = None,
+              tags: dict[str, Any] | None = None) -> Sink:
     """Sinks for `names` (trainer.logger: "console", "mlflow", "wandb", "none") from a PPOConfig.
 
     MLflow: experiment `trainer.project_name`, run name `run_name` or `trainer.experiment_name`
@@ -367,7 +362,7 @@ def make_sink(names: Iterable[str], cfg, run_name: str | None = None, run_id: st
 
             sink = BufferedMLflowSink(os.path.join(t.output_dir, "mlflow_buffer"), t.mlflow_tracking_uri,
                                       t.project_name, name, run_id=run_id, parent_run_id=parent_run_id,
-                                      output_dir=t.output_dir)
+                                      tags=tags, output_dir=t.output_dir)
             sink.log_params(flatten(cfg))
             sinks.append(sink)
         elif kind == "wandb":

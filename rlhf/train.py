@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
@@ -87,6 +86,9 @@ class Run:
         self.tokenizer = load_tokenizer(base_dir, trust_remote_code=cfg.model.trust_remote_code)
         self.data = stages.fit_data(data, self.tokenizer, cfg) if fit else data
         self.cfg = cfg = resolve_epochs(cfg, len(self.data.train))  # trainer.total_epochs -> total_rounds
+        from rlhf.data_checks import check_fit
+
+        check_fit(cfg, len(self.data.train), base_dir)
         self.trainer = P.build_trainer(cfg, self.sizes, base_dir, self.device, resume)
         self.state = state or RoundState.initial(cfg)
         if resume:
@@ -97,6 +99,7 @@ class Run:
             ckpt.apply_state(self.trainer, self.state)
         self.engine = self._make_engine(str(resume / "actor") if resume else base_dir)
         self.reward_model = stages.load_reward_model(cfg, self.device)
+        self.last_step: dict[str, float] = {}  # the last PPO step's full metrics (for the round line)
         from rlhf.profiling import StepProfiler
 
         self.profiler = StepProfiler(cfg.trainer.profile_steps, self.out, self.device, self.rank)
@@ -117,7 +120,8 @@ class Run:
 
         if self.rank != 0:
             return NullSink()
-        sink = make_sink(self.cfg.trainer.logger, self.cfg, run_name=self.cfg.trainer.experiment_name)
+        names = [n for n in self.cfg.trainer.logger if n != "console"]  # the round line is the console's
+        sink = make_sink(names, self.cfg, run_name=self.cfg.trainer.experiment_name)
         from rlhf.config import flatten
 
         sink.log_params(flatten(self.cfg))
@@ -125,10 +129,16 @@ class Run:
 
     # -- one round -------------------------------------------------------------------------
     def evaluate(self) -> float:
-        metrics = stages.evaluate(self.engine, self.tokenizer, self.data.val, self.cfg, self.reward_model)
+        from rlhf.run_artifacts import log_generations
+
+        samples: list[dict] = []
+        metrics = stages.evaluate(self.engine, self.tokenizer, self.data.val, self.cfg, self.reward_model,
+                                  samples=samples)
         score = stages.val_score(metrics)
         self.state = record_val(self.state, score, self.cfg.early_stop.min_delta)
         self.sink.log_metrics(metrics, step=self.state.global_step)
+        if self.rank == 0:
+            log_generations(self.sink, self.state.global_step, samples, self.out)
         return score
 
     def update_round(self) -> list[dict[str, float]]:
@@ -159,6 +169,7 @@ class Run:
             self.sink.log_metrics(m, step=self.state.global_step + i + 1)
         self.state = P.record_update(self.state, steps, self.trainer.kl_ctrl.value)
         self.last_rollouts, self.last_scored, self.last_steps = rollouts, scored, steps
+        self.last_step = steps[-1] if steps else {}
         self.sync_engine()
         return steps
 
@@ -210,9 +221,9 @@ class Run:
         D.barrier()
         self.engine.update_weights(str(weights))
 
-    def close(self) -> None:
+    def close(self, status: str = "FINISHED") -> None:
         self.engine.close()
-        self.sink.close()
+        self.sink.close(status)
 
 
 def resume_point(resume: str, output_dir: Path) -> Optional[Path]:
@@ -251,42 +262,75 @@ def run_rounds(run: Run, until: int, decide_last: bool = True,
 
 
 def train(cfg: PPOConfig) -> dict:
-    """Run PPO rounds until `trainer.total_rounds` or an early stop; returns the summary."""
-    run = Run(cfg)
-    cfg = run.cfg  # with trainer.total_epochs resolved against the train set
+    """Run PPO rounds until `trainer.total_rounds` or an early stop; returns the summary.
+    A failure after tracking started ends the tracked run as FAILED."""
+    run, status = None, "FAILED"
     try:
+        run = Run(cfg)
+        cfg = run.cfg  # with trainer.total_epochs resolved against the train set
         if P.should_validate_first(cfg, run.state):
             run.evaluate()
+        t_loop, rounds_before = time.perf_counter(), run.state.round
 
         def after_round(r: Run) -> None:
             r.save()
-            _progress(r)
+            _progress(r, t_loop, r.state.round - rounds_before)
 
         verdict = run_rounds(run, cfg.trainer.total_rounds, after_round=after_round)
         summary = _summary(run, verdict)
         if run.rank == 0:
-            path = run.out / "summary.json"
-            path.write_text(json.dumps(summary, indent=2))
-            run.sink.log_metrics({k: v for k, v in summary.items() if isinstance(v, (int, float))},
-                                 step=run.state.global_step)
-            run.sink.log_artifact(str(path))
-            last = ckpt.latest_checkpoint(run.out)
-            if last is not None:
-                run.sink.log_artifact(str(last / "actor"), artifact_path="final_model")
+            _finish(run, summary)
+        status = "FINISHED"
         return summary
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
     finally:
-        run.close()
+        if run is not None:
+            run.close(status)
 
 
-def _progress(run: Run) -> None:
+def _finish(run: Run, summary: dict) -> None:
+    """Rank 0 at the end: summary.json (strict JSON), summary metrics, config, curves, final policy."""
+    from rlhf.results import write_summary
+    from rlhf.run_artifacts import log_results
+
+    last = ckpt.latest_checkpoint(run.out)
+    summary["final_policy"] = policy = str((last / "actor").resolve()) if last is not None else run.base_dir
+    summary["mlflow_run"] = _mlflow_run(run)
+    path = write_summary(run.out / "summary.json", summary)
+    run.sink.log_metrics({k: v for k, v in summary.items() if isinstance(v, (int, float))},
+                         step=run.state.global_step)
+    run.sink.log_artifact(str(path))
+    log_results(run.sink, run.cfg, run.state, summary.get("stop_reason", ""), policy, run.out)
+    if last is not None:
+        run.sink.log_artifact(str(last / "actor"), artifact_path="final_model")
+    run.sink.set_tags({"stop_reason": summary.get("stop_reason", "")})
+
+
+def _mlflow_run(run: Run) -> str:
+    """`<run id> at <tracking URI>` of the run's MLflow run, "" without one."""
+    from rlhf.tracking import default_tracking_uri, redact
+
+    sinks = getattr(run.sink, "sinks", [run.sink])
+    run_id = next((getattr(s, "run_id", "") for s in sinks if getattr(s, "run_id", "")), "")
+    if not run_id:
+        return ""
+    t = run.cfg.trainer
+    return f"{run_id} at {redact(default_tracking_uri(t.mlflow_tracking_uri, t.output_dir))}"
+
+
+def _progress(run: Run, t_loop: float, rounds_here: int) -> None:
+    """The round line (rank 0): k/N, step, headline metrics, time per step, elapsed, ETA."""
     if run.rank != 0:
         return
+    from rlhf.progress import print_line, round_line
+
     s = run.state
-    last = s.step_history[-1] if s.step_history else {}
-    print(f"round {s.round}/{run.cfg.trainer.total_rounds} step {s.global_step} "
-          f"score {last.get('critic/score/mean', float('nan')):.3f} val {s.last_val:.3f} "
-          f"kl {last.get('actor/current_kl', float('nan')):.4f} kl_coef {s.kl_coef:.4g} "
-          f"{time.perf_counter() - run.t0:.0f}s", flush=True)
+    last = {**(s.step_history[-1] if s.step_history else {}), **run.last_step}
+    per_round = (time.perf_counter() - t_loop) / max(1, rounds_here)
+    print_line(round_line(s.round, run.cfg.trainer.total_rounds, s.global_step, last, s.last_val,
+                          time.perf_counter() - run.t0, per_round))
 
 
 def _summary(run: Run, verdict: Verdict) -> dict:
@@ -295,30 +339,65 @@ def _summary(run: Run, verdict: Verdict) -> dict:
         out["stop_reason"] = verdict.reason
     val_history = out.pop("val_history")
     out.update({"wall_s": time.perf_counter() - run.t0, "resumed_from": run.resumed_from, "world_size": run.world,
-                "output_dir": str(run.out), "val_history": val_history})
+                "output_dir": str(run.out.resolve()), "val_history": val_history})
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rlhf.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cfg", help="YAML or JSON config file (verl-style keys)")
+    p.add_argument("--cfg", help="YAML or JSON config file (verl-style keys; see docs/CONFIG.md)")
     p.add_argument("--summary-json", help="also write the summary here")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the config, data files and model directory, print the plan, and exit")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.clip_ratio=0.3")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rlhf.check import CheckFailed, preflight
+
+    p = _parser()
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_config(args.cfg, args.overrides)
-    except ConfigError as e:
+        plan = preflight(cfg)
+    except (ConfigError, CheckFailed) as e:
         p.exit(2, f"error: {e}\n")
-    summary = train(cfg)
-    if args.summary_json and D.world()[0] == 0:
-        Path(args.summary_json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.summary_json).write_text(json.dumps(summary, indent=2))
+    if args.dry_run:
+        print(plan.text())
+        return 0
+    from rlhf.progress import quiet_progress_bars
+
+    quiet_progress_bars()
+    try:
+        summary = train(cfg)
+    except _user_errors() as e:  # found only once the data or model is loaded: still the message alone
+        p.exit(2, f"error: {e}\n")
     if D.world()[0] == 0:
-        print(json.dumps({k: v for k, v in summary.items() if k != "val_history"}, indent=2))
+        from rlhf.results import summary_rows, summary_table, write_summary
+
+        if args.summary_json:
+            write_summary(args.summary_json, summary)
+        print(summary_table(summary_rows(summary, _places(summary))), flush=True)
     D.shutdown()
     return 0
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors that name a key, file or row and what to do: shown without a traceback."""
+    from rlhf.check import CheckFailed
+    from rlhf.data.io import DataValidationError
+    from rlhf.models.load import ModelLoadError
+
+    return ConfigError, CheckFailed, DataValidationError, ModelLoadError
+
+
+def _places(summary: dict) -> dict[str, str]:
+    out = summary.get("output_dir", "")
+    return {"outputs": out, "summary": str(Path(out) / "summary.json") if out else "",
+            "final policy": summary.get("final_policy", ""), "MLflow run": summary.get("mlflow_run", "")}
 
 
 class _CallableModule(type(sys)):

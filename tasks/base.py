@@ -20,7 +20,12 @@ from flytekit.extras.accelerators import H100
 from flytekit.types.directory import FlyteDirectory
 from pandera.typing import DataFrame
 
+from rlhf.config_doc import describe_fields
 from schemas import PromptSchema, RolloutSchema, ScoredRolloutSchema
+
+# Before any task's interface is built: each config key's meaning (its comment, as in
+# docs/CONFIG.md) goes into the input schema that `pyflyte run ... --help` prints.
+describe_fields()
 
 Prompts = DataFrame[PromptSchema]
 Rollouts = DataFrame[RolloutSchema]
@@ -104,3 +109,17 @@ def retry_transient() -> Iterator[None]:
         yield
     except TRANSIENT as e:
         raise FlyteRecoverableException(f"transient failure, retrying: {type(e).__name__}: {e}") from e
+
+
+def launch_seconds() -> float | None:
+    """Wall time so far of a local execution (this process's age: every task of a local launch
+    runs in it); None on a cluster, where each task has its own pod."""
+    import time
+
+    import psutil
+    from flytekit.core.context_manager import FlyteContextManager
+
+    state = FlyteContextManager.current_context().execution_state
+    if state is not None and not state.is_local_execution():
+        return None
+    return time.time() - psutil.Process().create_time()

@@ -60,13 +60,14 @@ Fitted = NamedTuple("Fitted", [("train", Prompts), ("val", Prompts)])
 def fit_prompts(cfg: PPOConfig, train: Prompts, val: Prompts, policy: FlyteDirectory) -> Fitted:
     """The train and val prompts that fit in `data.max_prompt_length` tokens of the policy's
     tokenizer when `data.filter_overlong_prompts` (the rest dropped and counted in the log)."""
+    from rlhf.data_checks import check_fit
     from rlhf.models.load import load_tokenizer
 
-    if not cfg.data.filter_overlong_prompts:
-        return Fitted(train=train, val=val)
-    tokenizer = load_tokenizer(policy.download(), trust_remote_code=cfg.model.trust_remote_code)
-    return Fitted(train=stages.fit_prompts(train, tokenizer, cfg, "train"),
-                  val=stages.fit_prompts(val, tokenizer, cfg, "val"))
+    if cfg.data.filter_overlong_prompts:
+        tokenizer = load_tokenizer(policy.download(), trust_remote_code=cfg.model.trust_remote_code)
+        train, val = stages.fit_prompts(train, tokenizer, cfg, "train"), stages.fit_prompts(val, tokenizer, cfg, "val")
+    check_fit(cfg, len(train), policy.download())
+    return Fitted(train=train, val=val)
 
 
 @task(requests=CPU_SMALL, container_image=CPU_IMAGE)

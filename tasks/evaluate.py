@@ -15,7 +15,7 @@ from rlhf.plots import metrics_html, training_html
 from rlhf.state import RoundState, decide as decide_stop
 from sweeps.trial import TrialContext, check_pruning
 from tasks.base import (CPU_SMALL, DECK, DECK_FIELDS, GPU, GPU_RETRIES, TRACKING_SECRETS, Prompts, gpu_resources,
-                        local_copy, retry_transient)
+                        launch_seconds, local_copy, retry_transient)
 
 Evaluated = NamedTuple("Evaluated", [("state", RoundState), ("score", float)])
 Decided = NamedTuple("Decided", [("state", RoundState), ("stop", bool), ("reason", str)])
@@ -74,4 +74,28 @@ def decide(cfg: PPOConfig, state: RoundState, steps: list[dict[str, float]],
     if trial is not None:
         new, verdict = check_pruning(trial, new, verdict, rounds_left=new.round < cfg.trainer.total_rounds)
     Deck(DECK, training_html(new, verdict.reason))
+    print_round(cfg, new, steps)
     return Decided(state=new, stop=verdict.stop, reason=verdict.reason)
+
+
+# (monotonic time, round) of the first round line this process printed: in a local execution
+# every round's `decide` runs in one process, so later lines time whole rounds, Flyte included.
+_FIRST_LINE: list[tuple[float, int]] = []
+
+
+def print_round(cfg: PPOConfig, state: RoundState, steps: list[dict[str, float]]) -> None:
+    """The round's console line (as `rlhf.train` prints it); the ETA from the rounds timed in
+    this process, else (a task's own pod, the first round) from this round's stage timings."""
+    import time
+
+    from rlhf.progress import print_line, round_line, round_seconds
+
+    now = time.monotonic()
+    if not _FIRST_LINE or state.round <= _FIRST_LINE[0][1]:
+        _FIRST_LINE[:] = [(now, state.round)]
+        per_round = round_seconds(steps)
+    else:
+        per_round = (now - _FIRST_LINE[0][0]) / (state.round - _FIRST_LINE[0][1])
+    elapsed = launch_seconds()
+    print_line(round_line(state.round, cfg.trainer.total_rounds, state.global_step, steps[-1] if steps else {},
+                          state.last_val, float("nan") if elapsed is None else elapsed, per_round))

@@ -65,12 +65,12 @@ def register_model(cfg: PPOConfig, model_name: str, policy: FlyteDirectory, val_
 @task(requests=CPU_SMALL, container_image=CPU_IMAGE, retries=2, secret_requests=TRACKING_SECRETS)
 def promote(cfg: PPOConfig, model_name: str, version: str, champion_found: bool, champion_score: float
             ) -> Promotion:
-    """Give `version` the `champion` alias if its val score beats the champion's
-    (`champion_score`, measured on the same val set) by more than `early_stop.min_delta`,
-    or if there is no champion; the verdict and reason are tagged on the version."""
+    """Give `version` the `champion` alias if its val score beats `champion_score` by more than
+    `early_stop.min_delta`: the champion's score, or with no champion yet the starting policy's
+    (both measured on the same val set); the verdict and reason are tagged on the version."""
     uri = registry_uri(cfg)
     with retry_transient():
         mv = R.version(uri, model_name, version)
-        promoted, reason = R.decide_promotion(uri, model_name, mv, champion_score if champion_found else None,
-                                              cfg.early_stop.min_delta)
+        promoted, reason = R.decide_promotion(uri, model_name, mv, champion_score, cfg.early_stop.min_delta,
+                                              "champion" if champion_found else "starting policy")
     return Promotion(promoted=promoted, reason=reason)

@@ -2,33 +2,84 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import pandas as pd
 from flytekit import Deck, task
+from flytekit.types.directory import FlyteDirectory
+from flytekit.types.error import FlyteError
 
 from containers.images import CPU_IMAGE
 from rlhf import pipeline as P
 from rlhf.config import PPOConfig, derive_sizes, replace
 from rlhf.plots import training_html
 from rlhf.state import RoundState
-from tasks.base import CPU_SMALL, DECK, DECK_FIELDS, TRACKING_SECRETS, retry_transient
+from tasks.base import CPU_SMALL, DECK, DECK_FIELDS, TRACKING_SECRETS, launch_seconds, retry_transient
 
 @task(requests=CPU_SMALL, container_image=CPU_IMAGE)
 def check_config(cfg: PPOConfig) -> PPOConfig:
-    """The config, checked before any work starts: value ranges and choices, and batch sizes
-    that divide (`derive_sizes`); a `ConfigError` names the key and what to change."""
+    """The config, checked before any work starts: value ranges and choices, batch sizes
+    that divide (`derive_sizes`), local data files, model directories and the position limit
+    (`rlhf.check.preflight`); the error names the key, file or row and what to change."""
+    from rlhf.check import preflight
+    from rlhf.progress import quiet_progress_bars
+
+    quiet_progress_bars()  # in a local execution, for the whole launch: no bars between the round lines
     checked = replace(cfg, [])
     derive_sizes(checked)
+    for warning in preflight(checked).warnings:
+        print(f"warning: {warning}", flush=True)
     return checked
 
 
 @task(requests=CPU_SMALL, container_image=CPU_IMAGE, retries=2, secret_requests=TRACKING_SECRETS)
 def start_tracking(cfg: PPOConfig) -> str:
     """Open the run's MLflow run when `trainer.logger` lists mlflow; returns its id ("" without)."""
+    from rlhf.tracking_status import LAUNCH_TAG
+
     with retry_transient():
-        return P.open_tracking(cfg)
+        return P.open_tracking(cfg, tags={LAUNCH_TAG: launch()})
+
+
+def launch() -> str:
+    """This launch's key for `rlhf.tracking_status` (the Flyte execution; plus host and process locally)."""
+    from flytekit import current_context
+    from flytekit.core.context_manager import FlyteContextManager
+
+    from rlhf.tracking_status import launch_key
+
+    state = FlyteContextManager.current_context().execution_state
+    local = state is None or state.is_local_execution()
+    e = current_context().execution_id
+    return launch_key(e.project, e.domain, e.name, local)
+
+
+@task(requests=CPU_SMALL, container_image=CPU_IMAGE, retries=2, secret_requests=TRACKING_SECRETS)
+def fail_tracking(cfg: PPOConfig, err: Optional[FlyteError] = None) -> None:
+    """The failure handler of a launch: its MLflow run, if one was opened, ends as FAILED."""
+    _fail_runs(cfg, err)
+
+
+@task(requests=CPU_SMALL, container_image=CPU_IMAGE, retries=2, secret_requests=TRACKING_SECRETS)
+def fail_retrain_tracking(cfg: PPOConfig, train_files: str, val_files: str, model_name: str, run_date: datetime,
+                          err: Optional[FlyteError] = None) -> None:
+    """`fail_tracking` for the retraining workflow (a failure handler takes all workflow inputs)."""
+    del train_files, val_files, model_name, run_date
+    _fail_runs(cfg, err)
+
+
+def _fail_runs(cfg: PPOConfig, err: Optional[FlyteError]) -> None:
+    from rlhf.tracking_status import fail_launch_runs
+    from tasks.registry import registry_uri
+
+    if "mlflow" not in cfg.trainer.logger:
+        return
+    with retry_transient():
+        failed = fail_launch_runs(registry_uri(cfg), cfg.trainer.project_name, launch(), err.message if err else "")
+    for run_id in failed:
+        print(f"MLflow run {run_id} ended as FAILED", flush=True)
 
 
 def resume_point(cfg: PPOConfig) -> Optional[tuple[str, RoundState]]:
@@ -52,17 +103,46 @@ def resume_point(cfg: PPOConfig) -> Optional[tuple[str, RoundState]]:
 
 @task(requests=CPU_SMALL, container_image=CPU_IMAGE, enable_deck=True, deck_fields=DECK_FIELDS,
       retries=2, secret_requests=TRACKING_SECRETS)
-def report(cfg: PPOConfig, state: RoundState, run_id: str) -> pd.DataFrame:
+def report(cfg: PPOConfig, state: RoundState, run_id: str, model: Optional[FlyteDirectory] = None) -> pd.DataFrame:
     """The metrics table (one row per step, val scores merged), the final deck with the stop
-    reason, and the summary in the tracker (the MLflow run is closed here)."""
+    reason, the summary, config, curves and final policy reference in the tracker (the MLflow
+    run is closed here), and the end-of-run table on the console."""
+    from rlhf.run_artifacts import log_results
+
     reason = P.stop_reason(cfg, state)
     Deck(DECK, training_html(state, reason))
     table = P.metrics_table(state)
     Deck("metrics table", table.to_html(index=False, float_format=lambda x: f"{x:.5g}"))
     sink = P.tracking_sink(cfg, run_id, state)
     summary = P.summary(cfg, state)
+    policy = (getattr(model, "remote_source", None) or model.path) if model is not None else ""
     with retry_transient():
         sink.log_metrics({k: v for k, v in summary.items() if isinstance(v, (int, float))}, step=state.global_step)
         sink.set_tags({"stop_reason": reason})
+        log_results(sink, cfg, state, reason, str(policy), cfg.trainer.output_dir)
         sink.close()
+    print_results(cfg, summary, str(policy), run_id)
     return table
+
+
+def print_results(cfg: PPOConfig, summary: dict, policy: str, run_id: str) -> None:
+    """The end-of-run table: scores, stop reason, wall time, and where outputs, policy, decks and
+    the MLflow run are (flytekit's deck files lie under its local sandbox in a local execution)."""
+    import os
+
+    from flytekit.core.context_manager import FlyteContextManager
+
+    from rlhf.results import summary_rows, summary_table
+    from rlhf.tracking import redact
+    from tasks.registry import registry_uri
+
+    ctx = FlyteContextManager.current_context()
+    out = os.path.abspath(cfg.trainer.output_dir)
+    wall = launch_seconds()
+    if wall is not None:
+        summary = {**summary, "wall_s": wall}
+    where = {"outputs": out, "final policy": policy,
+             "decks": f"{out}/run_artifacts/training.html; flytekit's deck.html files under "
+                      f"{ctx.file_access.local_sandbox_dir}",
+             "MLflow run": f"{run_id} at {redact(registry_uri(cfg))}" if run_id else ""}
+    print(summary_table(summary_rows(summary, where)), flush=True)

@@ -197,6 +197,15 @@ def test_promotion_rule():
     assert not promotion_decision(math.nan, None)[0] and promotion_decision(0.0, None)[0]
 
 
+def test_with_no_champion_yet_the_starting_policy_is_the_one_to_beat():
+    from rlhf.model_registry import promotion_decision
+
+    assert promotion_decision(0.118, 0.138, incumbent_name="starting policy") == (
+        False, "no champion yet; challenger val score 0.1180 does not beat starting policy 0.1380")
+    assert promotion_decision(0.2, 0.138, incumbent_name="starting policy") == (
+        True, "no champion yet; challenger val score 0.2000 beats starting policy 0.1380")
+
+
 # -- console deck -----------------------------------------------------------------------------
 
 

@@ -60,21 +60,24 @@ def test_param_value_stringifies_and_caps_length():
 
 
 def test_console_prints_one_compact_line_per_step():
+    """Named as the decks name them: the KL shown is `actor/current_kl`, not `actor/ppo_kl`."""
     out = io.StringIO()
     sink = ConsoleSink(stream=out)
     for step, m in enumerate(STEP_METRICS):
-        sink.log_metrics(m, step)
+        m = {("actor/current_kl" if k == "actor/ppo_kl" else k): v for k, v in m.items()}
+        sink.log_metrics({**m, "actor/ppo_kl": 9.0}, step)
     lines = out.getvalue().splitlines()
     assert lines == [
-        "step 0 | score 0.25 | kl 0.0012 | pg_loss -0.02 | len 12.5",
-        "step 1 | score 0.5 | kl nan | pg_loss 0.01 | len 11",
-        "step 2 | score 0.75 | kl 0.003 | pg_loss 0.03 | len 10 | val-core/openai/gsm8k/reward/mean@1 0.6",
+        "step 0 | critic/score/mean 0.25 | actor/current_kl 0.0012 | actor/pg_loss -0.02 | response_length/mean 12.5",
+        "step 1 | critic/score/mean 0.5 | actor/current_kl nan | actor/pg_loss 0.01 | response_length/mean 11",
+        "step 2 | critic/score/mean 0.75 | actor/current_kl 0.003 | actor/pg_loss 0.03 | response_length/mean 10 | "
+        "val-core/openai/gsm8k/reward/mean@1 0.6",
     ]
 
 
 def test_format_step_uses_scientific_notation_for_tiny_and_huge_values():
-    line = format_step({"actor/ppo_kl": 1.5e-6, "critic/vf_loss": 123456.0}, 7)
-    assert line == "step 7 | kl 1.500e-06 | vf_loss 1.235e+05"
+    line = format_step({"actor/current_kl": 1.5e-6, "critic/vf_loss": 123456.0}, 7)
+    assert line == "step 7 | actor/current_kl 1.500e-06 | critic/vf_loss 1.235e+05"
 
 
 def test_sinks_satisfy_the_protocol():
@@ -84,8 +87,8 @@ def test_sinks_satisfy_the_protocol():
 
 def test_multisink_forwards_to_every_sink():
     a, b = io.StringIO(), io.StringIO()
-    MultiSink([ConsoleSink(stream=a), NullSink(), ConsoleSink(stream=b)]).log_metrics({"actor/ppo_kl": 0.5}, 4)
-    assert a.getvalue() == b.getvalue() == "step 4 | kl 0.5\n"
+    MultiSink([ConsoleSink(stream=a), NullSink(), ConsoleSink(stream=b)]).log_metrics({"actor/current_kl": 0.5}, 4)
+    assert a.getvalue() == b.getvalue() == "step 4 | actor/current_kl 0.5\n"
 
 
 # ---------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from tasks.data import (dataset_fingerprint, fit_prompts, prepare_dataset, prepa
                         sample_prompts)
 from tasks.evaluate import decide, evaluate, generation_gpus
 from tasks.rollout import rollout, score_task
-from tasks.run import check_config, report, resume_point, start_tracking
+from tasks.run import check_config, fail_tracking, report, resume_point, start_tracking
 from tasks.segment import segment_task
 from tasks.update import elastic_for, update_task
 
@@ -158,14 +158,16 @@ def ppo_train(cfg: PPOConfig, train: Prompts, val: Prompts, base_model: FlyteDir
     fitted = fit_prompts(cfg=cfg, train=train, val=val, policy=base_model)
     run_cfg = rounds_from_epochs(cfg=cfg, train=fitted.train)
     rounds = ppo_rounds(cfg=run_cfg, train=fitted.train, val=fitted.val, base_model=base_model, run_id=run_id)
-    metrics = report(cfg=run_cfg, state=rounds.state, run_id=run_id)
+    metrics = report(cfg=run_cfg, state=rounds.state, run_id=run_id, model=rounds.model)
     return Trained(model=rounds.model, metrics=metrics, state=rounds.state, run_id=run_id)
 
 
-@workflow
+@workflow(on_failure=fail_tracking)
 def ppo_pipeline(cfg: PPOConfig = PPOConfig()) -> Pipeline:
     """Data, starting policy (`model.path`, or the tiny model SFT-warm-started in code), PPO
-    rounds; returns the final policy directory, the per-step metrics table and the state."""
+    rounds; returns the final policy directory, the per-step metrics table and the state.
+    Every config key and its meaning: docs/CONFIG.md. Check a launch first, in seconds:
+    python -m rlhf.check --cfg my.yaml"""
     checked = check_config(cfg=cfg)
     data = prepare_data(cfg=checked)
     base = prepare_policy(model=checked.model, seed=checked.trainer.seed, sft=data.sft)

@@ -2,9 +2,10 @@
 
 A retraining run starts from the version holding the `champion` alias of `model_name`
 (or, before there is one, from the configured starting policy), trains on the data it is
-given, scores the new policy and the champion on the same validation set, registers the
-new policy as a version, and moves `champion` to it only when it scores higher; the
-verdict and its reason are tags of the new version.
+given, scores the new policy and its starting policy (the champion, or before there is one
+the configured starting policy) on the same validation set, registers the new policy as a
+version, and moves `champion` to it only when it scores higher; the verdict and its reason
+are tags of the new version.
 
     pyflyte run workflows/retrain.py ppo_retrain --cfg my.yaml --train_files s3://b/{date}/train.parquet
     pyflyte register workflows --image ...   # registers `ppo_retrain_nightly` (see README)
@@ -23,6 +24,7 @@ from rlhf.config import PPOConfig, TrainerConfig
 from tasks.data import prepare_policy
 from tasks.evaluate import score_policy
 from tasks.registry import download_champion, find_champion, promote, register_model, retrain_config
+from tasks.run import fail_retrain_tracking
 from workflows.ppo import ppo_train, prepare_data
 
 MODEL_NAME = "rlhf-ppo-policy"
@@ -36,7 +38,7 @@ Retrained = NamedTuple("Retrained", [("model", FlyteDirectory), ("metrics", pd.D
                                      ("promoted", bool), ("reason", str), ("started_from", str)])
 
 
-@workflow
+@workflow(on_failure=fail_retrain_tracking)
 def ppo_retrain(cfg: PPOConfig = PPOConfig(), train_files: str = "", val_files: str = "",
                 model_name: str = MODEL_NAME, run_date: datetime = EPOCH) -> Retrained:
     """Retrain from the champion on `train_files`/`val_files` ("" keeps `cfg.data`; `{date}`

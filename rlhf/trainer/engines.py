@@ -65,8 +65,10 @@ def build_engine(model: torch.nn.Module, ds_cfg: dict):
     import deepspeed
 
     from rlhf.trainer.dist import drop_stale_deepspeed_groups
+    from rlhf.trainer.ds_ops import prepare_cpu_comm
 
     drop_stale_deepspeed_groups()
+    prepare_cpu_comm()  # no JIT build of the CPU shared-memory op, which can hang on a stale lock
     params = [p for p in model.parameters() if p.requires_grad]
     ds_cfg, optimizer = _client_master_optimizer(ds_cfg, params)
     engine, _, _, _ = deepspeed.initialize(model=model, config=ds_cfg, optimizer=optimizer,

@@ -49,6 +49,10 @@ class Run:
             self.base_dir = stages.prepare_policy(cfg, self.out, self.data)
         D.barrier()
         self.base_dir = D.broadcast_object(self.base_dir if self.rank == 0 else None)
+        from rlhf.checkpoint_io import CheckpointWriter
+
+        self.writer = CheckpointWriter()  # checkpoints are written in its thread while rounds go on
+        self.timing: dict[str, float] = {}  # the last round's stage and checkpoint times, in seconds
         resume = ckpt.latest_checkpoint(self.out) if cfg.trainer.resume == "auto" else None
         self.resumed_from = str(resume) if resume else ""
         policy_dir = str(resume / "actor") if resume else self.base_dir
@@ -109,20 +113,31 @@ class Run:
         timer["timing_s/reward"] = _lap(t)
         t = time.perf_counter()
         local = self._update_share(scored)
+        timer["timing_s/checkpoint_wait"] = self.writer.wait_copied()  # the last save's state is off the device
         torch.manual_seed(P.update_seed(cfg, self.state.round, self.rank))
         with self.profiler.update(self.state.global_step + 1, cfg.trainer.steps_per_round, self.sink):
             steps = stages.update(self.trainer, local, self.tokenizer.pad_token_id, cfg)
-        timer["timing_s/update"] = _lap(t)
+        timer["timing_s/update"] = _lap(t) - timer["timing_s/checkpoint_wait"]
         gen_metrics = D.mean_across_ranks(stages.rollout_metrics(rollouts, cfg))
         n_tokens = float(D.all_reduce_sum(torch.tensor(P.count_tokens(rollouts))))
         steps = P.step_metrics(steps, gen_metrics, timer, n_tokens, self.world, self.trainer, self.device)
         for i, m in enumerate(steps):
             self.sink.log_metrics(m, step=self.state.global_step + i + 1)
         self.state = P.record_update(self.state, steps, self.trainer.kl_ctrl.value)
+        t = time.perf_counter()
         if P.should_evaluate(cfg, self.state.round):
             self.evaluate()
+        timer["timing_s/testing"] = _lap(t)
         self.state, verdict = decide(self.state, steps, cfg)
-        self.save()
+        t = time.perf_counter()
+        if ckpt.should_save(cfg.trainer, self.state.round, verdict.stop):
+            self.save()
+        else:
+            self._sync_rollout_weights(None)
+        timer["timing_s/save_checkpoint"] = _lap(t)
+        self.timing = timer
+        self.sink.log_metrics({k: timer[k] for k in ("timing_s/save_checkpoint", "timing_s/checkpoint_wait")},
+                              step=self.state.global_step)
         return verdict
 
     def _update_share(self, scored):
@@ -136,19 +151,40 @@ class Run:
 
     # -- checkpoints -------------------------------------------------------------------------
     def save(self) -> Path:
-        """Write the round checkpoint atomically (all ranks write their optimizer shards)."""
+        """Start the round checkpoint: the state is copied off the device and written by the
+        writer thread (all ranks write their optimizer shards), sealed, and the checkpoints
+        beyond `trainer.max_ckpt_to_keep` pruned, while the next round runs."""
         final = ckpt.checkpoint_root(self.out) / ckpt.round_dir_name(self.state.round)
-        ckpt.save(final, self.trainer, self.tokenizer, self.cfg, self.state)
-        if self.rank == 0:
-            ckpt.prune(self.out, self.cfg.trainer.max_ckpt_to_keep)
-        D.barrier()
-        if self.cfg.rollout.name == "vllm":  # the HF engines share the trainer's module
-            self.engine.update_weights(str(final / "actor"))
+        tc = self.cfg.trainer
+        ckpt.save(final, self.trainer, self.tokenizer, self.cfg, self.state, writer=self.writer,
+                  after_seal=lambda: ckpt.prune(self.out, tc.max_ckpt_to_keep, lambda r: ckpt.is_save_point(tc, r)))
+        self._sync_rollout_weights(final)
         return final
 
+    def _sync_rollout_weights(self, final: Path | None) -> None:
+        """vLLM reads the new policy from files (the HF engines share the trainer's module):
+        the checkpoint's actor once written, else a weights-only copy of this round."""
+        if self.cfg.rollout.name != "vllm":
+            return
+        if final is not None:
+            self.writer.wait()
+            D.barrier()
+        else:
+            final = ckpt.save_policy(self.out / "rollout_policy", self.trainer.actor, self.tokenizer)
+        self.engine.update_weights(str(final / "actor"))
+
+    def flush(self) -> float:
+        """Wait for the checkpoint being written; seconds waited."""
+        waited = self.writer.wait()
+        D.barrier()
+        return waited
+
     def close(self) -> None:
-        self.engine.close()
-        self.sink.close()
+        try:
+            self.writer.wait()
+        finally:
+            self.engine.close()
+            self.sink.close()
 
 
 def _lap(t: float) -> float:
@@ -165,6 +201,7 @@ def train(cfg: PPOConfig) -> dict:
         while run.state.round < cfg.trainer.total_rounds and not verdict.stop:
             verdict = run.round()
             _progress(run)
+        run.flush()  # the last checkpoint is sealed before the run reports it
         summary = _summary(run, verdict)
         if run.rank == 0:
             path = run.out / "summary.json"
@@ -172,7 +209,7 @@ def train(cfg: PPOConfig) -> dict:
             run.sink.log_metrics({k: v for k, v in summary.items() if isinstance(v, (int, float))},
                                  step=run.state.global_step)
             run.sink.log_artifact(str(path))
-            last = ckpt.latest_checkpoint(run.out)
+            last = ckpt.latest_checkpoint(run.out, checksums=False)  # sealed a moment ago by this process
             if last is not None:
                 run.sink.log_artifact(str(last / "actor"), artifact_path="final_model")
         return summary

@@ -206,12 +206,14 @@ def rollout_policy(cfg: PPOConfig, model_dir: str, prompts: pd.DataFrame, state:
     device = pick_device(cfg)
     t = time.perf_counter()
     engine, tokenizer = _make_engine(cfg, model_dir, device)
+    built = time.perf_counter()
     try:
         rollouts = stages.rollout(engine, tokenizer, prompts, cfg, seed=rollout_seed(cfg, state.round))
     finally:
         engine.close()
     metrics = stages.rollout_metrics(rollouts, cfg)
     metrics["timing_s/gen"] = time.perf_counter() - t
+    metrics["timing_s/gen_engine_build"] = built - t  # loading the policy and building the engine
     return rollouts, metrics
 
 
@@ -311,11 +313,15 @@ def evaluate_policy(cfg: PPOConfig, model_dir: str, val: pd.DataFrame, state: Ro
                     ) -> tuple[RoundState, dict[str, float]]:
     """Greedy validation of the policy saved in `model_dir`; the score is recorded in the state."""
     device = pick_device(cfg)
+    t = time.perf_counter()
     engine, tokenizer = _make_engine(cfg, model_dir, device)
+    built = time.perf_counter()
     try:
         metrics = stages.evaluate(engine, tokenizer, val, cfg, stages.load_reward_model(cfg, device))
     finally:
         engine.close()
+    metrics["timing_s/testing"] = time.perf_counter() - t
+    metrics["timing_s/testing_engine_build"] = built - t
     new = record_val(state, stages.val_score(metrics), cfg.early_stop.min_delta)
     if sink is not None:
         sink.log_metrics(metrics, step=new.global_step)

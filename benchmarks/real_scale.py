@@ -1,7 +1,7 @@
 """Whole PPO rounds at real model size, through each driver's own functions, in one process.
 
     python benchmarks/real_scale.py --rounds 10 --staged-rounds 3 --ckpt-dir /dev/shm/real_scale \
-        --out benchmarks/results/real_scale_h200.json
+        --staged-alt-dir /tmp/real_scale --out benchmarks/results/real_scale_h200.json
     python benchmarks/real_scale.py --tiny --out /tmp/real_scale_tiny.json     # the same code on a CPU
 
 The workload: a Qwen2.5-1.5B-shaped actor and critic (random init, bf16), 64 prompts x 4
@@ -217,7 +217,7 @@ def run_in_process(cfg, rounds: int, device: torch.device) -> dict:
 STAGED_COMPUTE = ("generate", "score", "timing_s/update", "evaluate_generate")
 
 
-def run_staged(cfg, rounds: int, device: torch.device, out: Path) -> dict:
+def run_staged(cfg, rounds: int, device: torch.device, outs: list[Path]) -> dict:
     """The stateless functions, one after another as the Flyte tasks call them: each loads
     its model or checkpoint, builds its engine, runs, and writes what the next one reads."""
     from rlhf import pipeline as P
@@ -244,7 +244,7 @@ def run_staged(cfg, rounds: int, device: torch.device, out: Path) -> dict:
         scored = P.score_rollouts(cfg, rollouts)
         parts["score"] = time.perf_counter() - t
         # Two folders in turn, so the checkpoint read and the one written may sit on two disks.
-        res = P.update_from_checkpoint(cfg, base, checkpoint, scored, state, str(out / f"u{r % 2}"))
+        res = P.update_from_checkpoint(cfg, base, checkpoint, scored, state, str(outs[r % 2]))
         parts.update(res.timing)
         free_device()
         t = time.perf_counter()
@@ -291,6 +291,8 @@ def main(argv=None) -> dict:
     p.add_argument("--staged-rounds", type=int, default=3)
     p.add_argument("--drivers", default="in_process,staged,colocated")
     p.add_argument("--ckpt-dir", default="", help="where checkpoints go (default: beside --out)")
+    p.add_argument("--staged-alt-dir", default="", help="every other staged checkpoint goes here (a second disk: "
+                   "one 1.5B checkpoint is 43 GB, and the staged round reads one while it writes the next)")
     p.add_argument("--out", default="benchmarks/results/real_scale_h200.json")
     a = p.parse_args(argv)
     device = G.pick_device(a.tiny)
@@ -315,7 +317,9 @@ def main(argv=None) -> dict:
             if name == "in_process":
                 results[name] = run_in_process(cfg, rounds, device)
             elif name == "staged":
-                results[name] = run_staged(cfg, rounds, device, out)
+                alt = Path(a.staged_alt_dir) / "staged" if a.staged_alt_dir else out
+                results[name] = run_staged(cfg, rounds, device, [out / "u0", alt / "u1"])
+                shutil.rmtree(alt, ignore_errors=True)
             else:
                 results[name] = run_colocated(cfg, rounds, device)
         except Exception as e:  # the other drivers still run and the error is in the results

@@ -1,9 +1,9 @@
 """Checkpoint files written off the training loop's critical path, and checksummed.
 
 A save (`rlhf.checkpoint.save`) gathers references to the state it needs (model weights,
-DeepSpeed's optimizer state) and hands them to a `CheckpointWriter`, whose thread copies
-them off the device into host buffers kept between saves and then writes, fsyncs and
-hashes each file. The trainer may run the next round's rollout meanwhile; only the next
+DeepSpeed's optimizer state) and hands them to a `CheckpointWriter`, whose thread takes a
+snapshot of them (a clone on the GPU where it has room, else a copy into host buffers kept
+between saves) and then writes, fsyncs and hashes each file. The trainer may run the next round's rollout meanwhile; only the next
 optimizer step has to wait for the copy (`wait_copied`), since it is the first thing that
 changes those tensors in place. Each rank writes its own files and then a marker holding
 their digests; rank 0's writer waits for every rank's marker, writes the manifest (every
@@ -111,25 +111,52 @@ def keep_module_weights(src, dst) -> None:
 # ---------------------------------------------------------------------------------
 
 
+DEVICE_HEADROOM = 0.25  # of the GPU's memory left free by a snapshot taken on the device
+
+
 class HostPool:
-    """Host buffers reused from one save to the next: a fresh 40 GB allocation would cost
-    its page faults on every save."""
+    """Where a save's state is copied before it is written. On a GPU with room for it, a
+    device-side clone (tens of milliseconds for tens of GB, no host memory; the file then
+    holds device tensors, as DeepSpeed's own files do); otherwise host buffers reused from
+    one save to the next (a fresh 40 GB allocation would cost its page faults every save)."""
 
     def __init__(self):
         self._bufs: dict[str, torch.Tensor] = {}
 
-    def copy(self, tree, key: str = ""):
-        """`tree` (nested dicts, lists, tuples) with every tensor copied into a host buffer."""
+    def snapshot(self, trees: list) -> list:
+        """`trees` with every tensor copied (on the device when it fits, else to the host)."""
+        nbytes = sum(t.numel() * t.element_size() for t in _tensors(trees) if t.is_cuda)
+        on_device = False
+        if nbytes:
+            free, total = torch.cuda.mem_get_info()
+            on_device = free - nbytes > DEVICE_HEADROOM * total
+        return [self.copy(t, f"{i}", on_device) for i, t in enumerate(trees)]
+
+    def copy(self, tree, key: str = "", on_device: bool = False):
+        """`tree` (nested dicts, lists, tuples) with every tensor copied."""
         if isinstance(tree, torch.Tensor):
+            if on_device and tree.is_cuda:
+                return tree.detach().clone()
             buf = self._bufs.get(key)
             if buf is None or buf.shape != tree.shape or buf.dtype != tree.dtype:
                 buf = self._bufs[key] = torch.empty(tree.shape, dtype=tree.dtype, device="cpu")
             return buf.copy_(tree.detach())
         if isinstance(tree, dict):
-            return {k: self.copy(v, f"{key}/{k}") for k, v in tree.items()}
+            return {k: self.copy(v, f"{key}/{k}", on_device) for k, v in tree.items()}
         if isinstance(tree, (list, tuple)):
-            return type(tree)(self.copy(v, f"{key}/{i}") for i, v in enumerate(tree))
+            return type(tree)(self.copy(v, f"{key}/{i}", on_device) for i, v in enumerate(tree))
         return tree
+
+
+def _tensors(tree):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _tensors(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _tensors(v)
 
 
 # ---------------------------------------------------------------------------------
@@ -159,10 +186,13 @@ class SaveJob:
 
     def run(self, pool: HostPool, copied: threading.Event) -> None:
         try:
-            host = self._copy(pool)
+            copies = self._copy(pool)
             copied.set()
-            digests = {str(f.path.relative_to(self.tmp)): _write(f.path, f.kind, tree, self.digest)
-                       for f, tree in zip(self.files, host)}
+            self.files = [TensorFile(f.path, f.kind, None) for f in self.files]  # the live state is free again
+            digests = {}
+            for i, f in enumerate(self.files):
+                digests[str(f.path.relative_to(self.tmp))] = _write(f.path, f.kind, copies[i], self.digest)
+                copies[i] = None  # a snapshot on the device gives its memory back file by file
             _write_marker(self.tmp, self.rank, "done", json.dumps(digests))
             if self.seal is not None:
                 self.seal(self._gather_digests(digests))
@@ -174,16 +204,16 @@ class SaveJob:
 
     def _copy(self, pool: HostPool) -> list:
         if self.ready is None:
-            return [pool.copy(f.tree, str(f.path)) for f in self.files]
+            return pool.snapshot([f.tree for f in self.files])
         # A side stream that starts where the training stream stood at save time, so the copy
         # overlaps whatever the training thread launches next (the next round's rollout).
         torch.cuda.set_device(self.device)
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_event(self.ready)
         with torch.cuda.stream(stream):
-            host = [pool.copy(f.tree, str(f.path)) for f in self.files]
+            copies = pool.snapshot([f.tree for f in self.files])
         stream.synchronize()
-        return host
+        return copies
 
     def _gather_digests(self, own: dict[str, str]) -> dict[str, str]:
         """Every rank's digests, from their markers (rank 0 waits for all of them)."""
@@ -208,7 +238,7 @@ def _write(path: Path, kind: str, tree, digest: str) -> str:
     if kind == "safetensors":
         from safetensors.torch import save_file
 
-        save_file(tree, str(path), metadata={"format": "pt"})
+        save_file({k: v.cpu() for k, v in tree.items()}, str(path), metadata={"format": "pt"})
     else:
         torch.save(tree, str(path))
     fd = os.open(path, os.O_RDONLY)
@@ -290,7 +320,7 @@ class CheckpointWriter:
 def run_file_jobs(files: list[TensorFile]) -> None:
     """Write `files` now, in this thread (no markers, no seal)."""
     for f in files:
-        _write(f.path, f.kind, HostPool().copy(f.tree), hash_name())
+        _write(f.path, f.kind, f.tree, hash_name())
 
 
 def run_inline(job: SaveJob, pool: Optional[HostPool] = None) -> None:

@@ -130,9 +130,11 @@ class Rounds:
     """Per-round records of one driver; each record adds wall time and I/O since the last."""
 
     on_add = None  # called after every record (main: write the results so far)
+    last_records: list = []  # the records of the driver running now, kept if it fails
 
     def __init__(self, device: torch.device):
         self.device, self.records = device, []
+        Rounds.last_records = self.records
         self._t, self._io = time.perf_counter(), io_bytes()
 
     def start(self) -> None:
@@ -183,9 +185,28 @@ def free_device() -> None:
 IN_PROCESS_COMPUTE = ("timing_s/gen", "timing_s/reward", "timing_s/update", "timing_s/testing")
 
 
+def one_checkpoint_on_disk() -> None:
+    """Make every save first delete the checkpoints already there: on a machine whose disk
+    (or RAM, for /dev/shm) holds one 1.5B checkpoint and no second, the newest stays only
+    until the next one starts. (A run keeps the last one until the new one is sealed.)"""
+    from rlhf import checkpoint as ckpt
+
+    save = ckpt.save
+
+    def save_alone(final, *args, **kwargs):
+        writer = kwargs.get("writer")
+        if writer is not None:
+            writer.wait()
+        for old in Path(final).parent.glob("round_*"):
+            shutil.rmtree(old, ignore_errors=True)
+        return save(final, *args, **kwargs)
+
+    ckpt.save = save_alone
+
+
 def run_in_process(cfg, rounds: int, device: torch.device) -> dict:
     """`rlhf.train.Run`: set-up once, then `rounds` rounds (checkpoint stall: the main
-    thread's time in the save plus its waits for the writer)."""
+    thread's time in the save plus the time optimizer steps waited for the writer)."""
     from rlhf.train import Run
 
     t = time.perf_counter()
@@ -293,8 +314,12 @@ def main(argv=None) -> dict:
     p.add_argument("--ckpt-dir", default="", help="where checkpoints go (default: beside --out)")
     p.add_argument("--staged-alt-dir", default="", help="every other staged checkpoint goes here (a second disk: "
                    "one 1.5B checkpoint is 43 GB, and the staged round reads one while it writes the next)")
+    p.add_argument("--one-checkpoint", action="store_true", help="delete the checkpoint in place before the "
+                   "in-process driver writes the next (a machine with room for one 1.5B checkpoint)")
     p.add_argument("--out", default="benchmarks/results/real_scale_h200.json")
     a = p.parse_args(argv)
+    if a.one_checkpoint:
+        one_checkpoint_on_disk()
     device = G.pick_device(a.tiny)
     torch.set_num_threads(1 if a.tiny else torch.get_num_threads())
     shape, base = ("tiny", TINY) if a.tiny else ("1.5b", WORKLOAD)
@@ -325,7 +350,8 @@ def main(argv=None) -> dict:
         except Exception as e:  # the other drivers still run and the error is in the results
             import traceback
 
-            results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+            results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:],
+                             "per_round_before_error": Rounds.last_records}
             print(results[name]["traceback"], flush=True)
         shutil.rmtree(out, ignore_errors=True)
         free_device()

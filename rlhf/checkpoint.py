@@ -195,9 +195,10 @@ def save(final: Path, trainer, tokenizer, cfg, state, writer=None, extra: dict[s
     safetensors models, the config, `state.json` and the directories in `extra` (name ->
     path, moved in); the manifest (sizes and digests) is written last and the directory
     renamed into place, then `after_seal` runs on rank 0. With a `CheckpointWriter`, the
-    copy off the device and the writing run in its thread and this returns at once (the
-    caller waits with `writer.wait_copied()` before changing the weights or optimizer
-    state); without one, it returns once every rank's part is written and the directory sealed.
+    copy off the device and the writing run in its thread and this returns at once (an
+    optimizer step waits for the copy; anything else that changes the weights or optimizer
+    state in place calls `writer.wait_copied()` first); without one, it returns once every
+    rank's part is written and the directory sealed.
     Raises `NonFiniteStateError` (on every rank, writing nothing) when a weight is NaN or inf."""
     from rlhf.checkpoint_io import SaveJob, run_inline
     from rlhf.trainer import dist as D

@@ -1,12 +1,12 @@
 """Checkpoint files written off the training loop's critical path, and checksummed.
 
 A save (`rlhf.checkpoint.save`) gathers references to the state it needs (model weights,
-DeepSpeed's optimizer state) and hands them to a `CheckpointWriter`, whose thread takes a
-snapshot of them (a clone on the GPU where it has room, else a copy into host buffers kept
-between saves) and then writes, fsyncs and hashes each file. The trainer may run the next round's rollout meanwhile; only the next
-optimizer step has to wait for the copy (`wait_copied`), since it is the first thing that
-changes those tensors in place. Each rank writes its own files and then a marker holding
-their digests; rank 0's writer waits for every rank's marker, writes the manifest (every
+DeepSpeed's optimizer state) and hands them to a `CheckpointWriter`, whose thread copies
+them off the device into host buffers kept between saves and then writes, fsyncs and
+hashes each file. The trainer runs on meanwhile: the next round's rollout, evaluation and
+the forward and backward passes of its update read those tensors but do not change them;
+the first optimizer step does, so a step pre-hook makes it wait until the copy is done.
+Each rank writes its own files and then a marker holding their digests; rank 0's writer waits for every rank's marker, writes the manifest (every
 file's size and digest) and renames the directory into place, so a crash anywhere before
 that leaves only an unsealed temporary directory.
 
@@ -111,52 +111,36 @@ def keep_module_weights(src, dst) -> None:
 # ---------------------------------------------------------------------------------
 
 
-DEVICE_HEADROOM = 0.25  # of the GPU's memory left free by a snapshot taken on the device
-
-
 class HostPool:
-    """Where a save's state is copied before it is written. On a GPU with room for it, a
-    device-side clone (tens of milliseconds for tens of GB, no host memory; the file then
-    holds device tensors, as DeepSpeed's own files do); otherwise host buffers reused from
-    one save to the next (a fresh 40 GB allocation would cost its page faults every save)."""
+    """Host buffers a save's state is copied into, reused from one save to the next: a fresh
+    40 GB allocation would pay its page faults (slow in a VM) on every save."""
 
     def __init__(self):
         self._bufs: dict[str, torch.Tensor] = {}
 
-    def snapshot(self, trees: list) -> list:
-        """`trees` with every tensor copied (on the device when it fits, else to the host)."""
-        nbytes = sum(t.numel() * t.element_size() for t in _tensors(trees) if t.is_cuda)
-        on_device = False
-        if nbytes:
-            free, total = torch.cuda.mem_get_info()
-            on_device = free - nbytes > DEVICE_HEADROOM * total
-        return [self.copy(t, f"{i}", on_device) for i, t in enumerate(trees)]
-
-    def copy(self, tree, key: str = "", on_device: bool = False):
-        """`tree` (nested dicts, lists, tuples) with every tensor copied."""
+    def copy(self, tree, key: str = ""):
+        """`tree` (nested dicts, lists, tuples) with every tensor copied into a host buffer."""
         if isinstance(tree, torch.Tensor):
-            if on_device and tree.is_cuda:
-                return tree.detach().clone()
             buf = self._bufs.get(key)
             if buf is None or buf.shape != tree.shape or buf.dtype != tree.dtype:
                 buf = self._bufs[key] = torch.empty(tree.shape, dtype=tree.dtype, device="cpu")
             return buf.copy_(tree.detach())
         if isinstance(tree, dict):
-            return {k: self.copy(v, f"{key}/{k}", on_device) for k, v in tree.items()}
+            return {k: self.copy(v, f"{key}/{k}") for k, v in tree.items()}
         if isinstance(tree, (list, tuple)):
-            return type(tree)(self.copy(v, f"{key}/{i}", on_device) for i, v in enumerate(tree))
+            return type(tree)(self.copy(v, f"{key}/{i}") for i, v in enumerate(tree))
         return tree
 
 
-def _tensors(tree):
+def to_host(tree):
+    """`tree` with every tensor on the host (fresh copies of device tensors, host ones as they are)."""
     if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, dict):
-        for v in tree.values():
-            yield from _tensors(v)
-    elif isinstance(tree, (list, tuple)):
-        for v in tree:
-            yield from _tensors(v)
+        return tree.detach().cpu()
+    if isinstance(tree, dict):
+        return {k: to_host(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(to_host(v) for v in tree)
+    return tree
 
 
 # ---------------------------------------------------------------------------------
@@ -184,15 +168,19 @@ class SaveJob:
     device: Optional[torch.device] = None  # the CUDA device of `ready`
     digest: str = field(default_factory=hash_name)
 
-    def run(self, pool: HostPool, copied: threading.Event) -> None:
+    def run(self, pool: Optional[HostPool], copied: threading.Event) -> None:
+        """Copy the state into `pool` (then set `copied`) and write it; without a pool, write
+        each file straight from the state, copied to the host one file at a time (the caller
+        waits, so nothing changes it meanwhile). Both give the same bytes."""
         try:
-            copies = self._copy(pool)
+            trees = self._copy(pool) if pool is not None else [None] * len(self.files)
             copied.set()
-            self.files = [TensorFile(f.path, f.kind, None) for f in self.files]  # the live state is free again
             digests = {}
             for i, f in enumerate(self.files):
-                digests[str(f.path.relative_to(self.tmp))] = _write(f.path, f.kind, copies[i], self.digest)
-                copies[i] = None  # a snapshot on the device gives its memory back file by file
+                tree = trees[i] if pool is not None else to_host(f.tree)
+                digests[str(f.path.relative_to(self.tmp))] = _write(f.path, f.kind, tree, self.digest)
+                trees[i] = tree = None
+            self.files = []  # the references to the live state go now
             _write_marker(self.tmp, self.rank, "done", json.dumps(digests))
             if self.seal is not None:
                 self.seal(self._gather_digests(digests))
@@ -204,16 +192,16 @@ class SaveJob:
 
     def _copy(self, pool: HostPool) -> list:
         if self.ready is None:
-            return pool.snapshot([f.tree for f in self.files])
+            return [pool.copy(f.tree, str(f.path)) for f in self.files]
         # A side stream that starts where the training stream stood at save time, so the copy
         # overlaps whatever the training thread launches next (the next round's rollout).
         torch.cuda.set_device(self.device)
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_event(self.ready)
         with torch.cuda.stream(stream):
-            copies = pool.snapshot([f.tree for f in self.files])
+            host = [pool.copy(f.tree, str(f.path)) for f in self.files]
         stream.synchronize()
-        return copies
+        return host
 
     def _gather_digests(self, own: dict[str, str]) -> dict[str, str]:
         """Every rank's digests, from their markers (rank 0 waits for all of them)."""
@@ -238,7 +226,7 @@ def _write(path: Path, kind: str, tree, digest: str) -> str:
     if kind == "safetensors":
         from safetensors.torch import save_file
 
-        save_file({k: v.cpu() for k, v in tree.items()}, str(path), metadata={"format": "pt"})
+        save_file(tree, str(path), metadata={"format": "pt"})
     else:
         torch.save(tree, str(path))
     fd = os.open(path, os.O_RDONLY)
@@ -268,17 +256,29 @@ def _write_marker(tmp: Path, rank: int, what: str, text: str) -> None:
 class CheckpointWriter:
     """Runs one `SaveJob` at a time in a background thread. `submit` waits for the previous
     job; `wait_copied` returns once the state is on the host; `wait` once the files are
-    written (and, on rank 0, sealed). An error in the thread is raised by the next call."""
+    written (and, on rank 0, sealed). While a copy is under way, any optimizer step of this
+    process first waits for it (a global step pre-hook); `stalled_s` adds up those waits.
+    An error in the thread is raised by the next call."""
 
     def __init__(self):
         self.pool = HostPool()
+        self.stalled_s = 0.0
         self._thread: Optional[threading.Thread] = None
         self._copied = threading.Event()
         self._copied.set()
         self._error: Optional[BaseException] = None
+        self._hook = None
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        if not self._copied.is_set():
+            self.stalled_s += self.wait_copied()
 
     def submit(self, job: SaveJob) -> None:
         self.wait()
+        if self._hook is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            self._hook = register_optimizer_step_pre_hook(self._before_step)
         self._copied = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(job, self._copied), name="checkpoint-writer",
                                         daemon=True)
@@ -307,6 +307,20 @@ class CheckpointWriter:
         self._raise()
         return time.perf_counter() - t
 
+    def close(self) -> None:
+        """Wait for the last job and remove the step hook."""
+        try:
+            self.wait()
+        finally:
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
+
+    def take_stalled(self) -> float:
+        """Seconds optimizer steps waited since the last call."""
+        out, self.stalled_s = self.stalled_s, 0.0
+        return out
+
     @property
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -320,9 +334,9 @@ class CheckpointWriter:
 def run_file_jobs(files: list[TensorFile]) -> None:
     """Write `files` now, in this thread (no markers, no seal)."""
     for f in files:
-        _write(f.path, f.kind, f.tree, hash_name())
+        _write(f.path, f.kind, to_host(f.tree), hash_name())
 
 
-def run_inline(job: SaveJob, pool: Optional[HostPool] = None) -> None:
+def run_inline(job: SaveJob) -> None:
     """The same job in the calling thread (a save that returns only once it is sealed)."""
-    job.run(pool or HostPool(), threading.Event())
+    job.run(None, threading.Event())

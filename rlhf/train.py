@@ -113,10 +113,11 @@ class Run:
         timer["timing_s/reward"] = _lap(t)
         t = time.perf_counter()
         local = self._update_share(scored)
-        timer["timing_s/checkpoint_wait"] = self.writer.wait_copied()  # the last save's state is off the device
         torch.manual_seed(P.update_seed(cfg, self.state.round, self.rank))
         with self.profiler.update(self.state.global_step + 1, cfg.trainer.steps_per_round, self.sink):
             steps = stages.update(self.trainer, local, self.tokenizer.pad_token_id, cfg)
+        # Its first optimizer step waited for the copy of the last save's state, if still under way.
+        timer["timing_s/checkpoint_wait"] = self.writer.take_stalled()
         timer["timing_s/update"] = _lap(t) - timer["timing_s/checkpoint_wait"]
         gen_metrics = D.mean_across_ranks(stages.rollout_metrics(rollouts, cfg))
         n_tokens = float(D.all_reduce_sum(torch.tensor(P.count_tokens(rollouts))))
@@ -153,7 +154,8 @@ class Run:
     def save(self) -> Path:
         """Start the round checkpoint: the state is copied off the device and written by the
         writer thread (all ranks write their optimizer shards), sealed, and the checkpoints
-        beyond `trainer.max_ckpt_to_keep` pruned, while the next round runs."""
+        beyond `trainer.max_ckpt_to_keep` pruned, while the next round runs (its first
+        optimizer step waits for the copy)."""
         final = ckpt.checkpoint_root(self.out) / ckpt.round_dir_name(self.state.round)
         tc = self.cfg.trainer
         ckpt.save(final, self.trainer, self.tokenizer, self.cfg, self.state, writer=self.writer,
@@ -181,7 +183,7 @@ class Run:
 
     def close(self) -> None:
         try:
-            self.writer.wait()
+            self.writer.close()
         finally:
             self.engine.close()
             self.sink.close()

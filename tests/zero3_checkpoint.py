@@ -1,11 +1,12 @@
 """A ZeRO-3 checkpoint written and restored by 2 gloo ranks (run under torchrun).
 
-    python -m torch.distributed.run --nproc_per_node=2 tests/zero3_checkpoint.py OUT
+    python -m torch.distributed.run --nproc_per_node=2 tests/zero3_checkpoint.py OUT [ZERO_STAGE=3]
 
 One update on a fixed buffer, a checkpoint (background writer), a second trainer built from
 that checkpoint's safetensors with its optimizer state restored, and one more update on
 both. Writes `<out>/rank<k>.json`: whether the saved actor and critic equal the gathered
-weights, the largest difference after restore, and after the next update on both trainers.
+weights, the largest difference after restore, and after the next update on both trainers
+(rank 0, which holds the gathered weights).
 """
 
 from __future__ import annotations
@@ -21,15 +22,16 @@ import torch
 def gathered(engine) -> dict[str, torch.Tensor]:
     from rlhf.trainer.engines import full_state_dict
 
-    return {k: v.detach().float().cpu().clone() for k, v in full_state_dict(engine).items()}
+    sd = full_state_dict(engine)  # a collective; ZeRO-3 gathers onto rank 0 only
+    return {k: v.detach().float().cpu().clone() for k, v in (sd or {}).items()}
 
 
 def max_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys(), sorted(set(a) ^ set(b))[:5]
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
+    return max((float((a[k] - b[k]).abs().max()) for k in a), default=0.0)
 
 
-def main(out: str) -> None:
+def main(out: str, stage: int = 3) -> None:
     from dp_update import scored_buffer
     from safetensors.torch import load_file
 
@@ -51,7 +53,7 @@ def main(out: str) -> None:
         "model.tiny.num_key_value_heads=2", "model.tiny.intermediate_size=64", "data.train_batch_size=8",
         "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_gpu=4", "rollout.n=2",
         "critic.ppo_micro_batch_size_per_gpu=4", "data.max_response_length=6", "actor.lr=1e-2", "critic.lr=1e-2",
-        f"trainer.n_gpus_per_node={world}", "deepspeed.zero_stage=3", "trainer.device=cpu"])
+        f"trainer.n_gpus_per_node={world}", f"deepspeed.zero_stage={stage}", "trainer.device=cpu"])
     model, tok = build_tiny_policy(cfg)
     ref = copy.deepcopy(model).eval().requires_grad_(False)
     sizes = derive_sizes(cfg, world)
@@ -62,7 +64,8 @@ def main(out: str) -> None:
     actor_live, critic_live = gathered(trainer.actor), gathered(trainer.critic)
     path = Path(D.broadcast_object(str(Path(out) / "checkpoints" / "round_000001")))
     writer = CheckpointWriter()
-    ckpt.save(path, trainer, tok, cfg, RoundState(round=1, global_step=1), writer=writer)
+    ckpt.save(path, trainer, tok, cfg, RoundState(round=1, global_step=1, kl_coef=trainer.kl_ctrl.value),
+              writer=writer)
     writer.close()
     D.barrier()
     saved_critic = {f"backbone.{k}": v.float() for k, v in load_file(str(path / "critic" / ckpt.WEIGHTS_FILE)).items()}
@@ -93,4 +96,4 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    main(sys.argv[1])
+    main(sys.argv[1], *map(int, sys.argv[2:]))

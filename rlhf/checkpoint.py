@@ -113,9 +113,12 @@ def verify(path: Path) -> None:
     and every file matches its digest."""
     reason = why_incomplete(Path(path))
     if reason:
-        raise CorruptCheckpointError(
-            f"checkpoint {path} is not valid: {reason}. Start from an earlier checkpoint of the run, "
-            "or without one (trainer.resume=disable)")
+        raise corrupt(path, reason)
+
+
+def corrupt(path: Path, reason: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"checkpoint {path} is not valid: {reason}. Start from an earlier checkpoint of "
+                                  "the run, or without one (trainer.resume=disable)")
 
 
 def latest_checkpoint(output_dir: str | os.PathLike, checksums: bool = True) -> Path | None:

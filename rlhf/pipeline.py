@@ -256,8 +256,7 @@ def update_from_checkpoint(cfg: PPOConfig, base_model_dir: str, checkpoint_dir: 
     stages.check_sizes(cfg, world)
     out = Path(D.broadcast_object(str(out_dir)))
     timing: dict[str, float] = {}
-    t = time.perf_counter()
-    trainer, tokenizer = _load_trainer(cfg, base_model_dir, checkpoint_dir, state, world, device, timing)
+    trainer, tokenizer = _load_trainer(cfg, base_model_dir, checkpoint_dir, state, rank, world, device, timing)
     local = stages.shard_for_update(scored, cfg, rank, world)
     from rlhf.profiling import StepProfiler
 
@@ -286,15 +285,18 @@ def update_from_checkpoint(cfg: PPOConfig, base_model_dir: str, checkpoint_dir: 
 
 
 def _load_trainer(cfg: PPOConfig, base_model_dir: str, checkpoint_dir: Optional[str], state: RoundState,
-                  world: int, device: torch.device, timing: dict[str, float]):
-    """The trainer at the start of the round: checkpoint `checkpoint_dir` verified, its models
-    and engines built, its optimizer state restored (or the base policy's, fresh)."""
+                  rank: int, world: int, device: torch.device, timing: dict[str, float]):
+    """The trainer at the start of the round: checkpoint `checkpoint_dir` verified (by rank 0,
+    which tells the others), its models and engines built, its optimizer state restored (or
+    the base policy's, fresh)."""
     from rlhf.models.load import load_tokenizer
 
     resume = Path(checkpoint_dir) if checkpoint_dir else None
     t = time.perf_counter()
     if resume:
-        ckpt.verify(resume)
+        reason = D.broadcast_object(ckpt.why_incomplete(resume) if rank == 0 else None)
+        if reason:
+            raise ckpt.corrupt(resume, reason)
     timing["timing_s/verify_checkpoint"] = time.perf_counter() - t
     t = time.perf_counter()
     tokenizer = load_tokenizer(base_model_dir, trust_remote_code=cfg.model.trust_remote_code)

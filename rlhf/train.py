@@ -53,7 +53,7 @@ class Run:
 
         self.writer = CheckpointWriter()  # checkpoints are written in its thread while rounds go on
         self.timing: dict[str, float] = {}  # the last round's stage and checkpoint times, in seconds
-        resume = ckpt.latest_checkpoint(self.out) if cfg.trainer.resume == "auto" else None
+        resume = self._find_resume()
         self.resumed_from = str(resume) if resume else ""
         policy_dir = str(resume / "actor") if resume else self.base_dir
         self.tokenizer = load_tokenizer(self.base_dir, trust_remote_code=cfg.model.trust_remote_code)
@@ -72,6 +72,14 @@ class Run:
         self.profiler = StepProfiler(cfg.trainer.profile_steps, self.out, self.device, self.rank)
 
     # -- set-up helpers ------------------------------------------------------------------
+    def _find_resume(self) -> Path | None:
+        """The newest valid checkpoint (rank 0 reads and checks it, then tells every rank)."""
+        if self.cfg.trainer.resume != "auto":
+            return None
+        found = ckpt.latest_checkpoint(self.out) if self.rank == 0 else None
+        found = D.broadcast_object(str(found) if found else "")
+        return Path(found) if found else None
+
     def _make_engine(self, policy_dir: str):
         from rlhf.rollout import make_engine
 
@@ -181,9 +189,15 @@ class Run:
         D.barrier()
         return waited
 
-    def close(self) -> None:
+    def close(self, raise_errors: bool = True) -> None:
+        """Wait for the checkpoint being written and release the engines. A failed write
+        raises, unless `raise_errors` is false (an error already on its way wins; it is logged)."""
         try:
             self.writer.close()
+        except RuntimeError:
+            if raise_errors:
+                raise
+            log.exception("the last checkpoint was not written")
         finally:
             self.engine.close()
             self.sink.close()
@@ -196,6 +210,7 @@ def _lap(t: float) -> float:
 def train(cfg: PPOConfig) -> dict:
     """Run PPO rounds until `trainer.total_rounds` or an early stop; returns the summary."""
     run = Run(cfg)
+    finished = False
     try:
         if P.should_validate_first(cfg, run.state):
             run.evaluate()
@@ -214,9 +229,10 @@ def train(cfg: PPOConfig) -> dict:
             last = ckpt.latest_checkpoint(run.out, checksums=False)  # sealed a moment ago by this process
             if last is not None:
                 run.sink.log_artifact(str(last / "actor"), artifact_path="final_model")
+        finished = True
         return summary
     finally:
-        run.close()
+        run.close(raise_errors=finished)
 
 
 def _progress(run: Run) -> None:

@@ -291,6 +291,9 @@ def test_staged_driver_prunes_its_handoff_checkpoints(tmp_path, base_model):  # 
     assert kept == [["round_000001"], ["round_000002"], ["round_000002", "round_000003"]]
     trace = Path(checkpoint) / "profile" / "step_3"
     assert any(p.name.startswith("trace") for p in trace.iterdir()) and ckpt.is_complete(Path(checkpoint))
+    _flip_a_byte(Path(checkpoint) / "critic" / ckpt.WEIGHTS_FILE)
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"critic/model.safetensors does not match .*trainer.resume"):
+        P.update_from_checkpoint(cfg, base_model, checkpoint, scored, state, str(out))
 
 
 # -- DeepSpeed's throughput timer ---------------------------------------------------------------
@@ -334,3 +337,33 @@ def test_the_trainer_module_forward_never_synchronizes_the_device(monkeypatch):
     # hf_fast's CUDA-graph capture on the GPU.
     default = {k: v for k, v in ours.items() if k != "timers"}
     assert _syncs_in_a_plain_forward(monkeypatch, default) >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_serves_the_new_weights_in_rounds_without_a_checkpoint(tmp_path):
+    """save_freq 5: round 1 writes no checkpoint, and vLLM still serves the updated policy
+    (the actor's weights alone, `<output_dir>/rollout_policy/actor`)."""
+    pytest.importorskip("vllm")
+    from rlhf import stages
+    from rlhf.models.load import load_causal_lm
+    from rlhf.rollout.base import SamplingParams
+    from rlhf.rollout.hf import HFRolloutEngine
+    from rlhf.train import Run
+
+    cfg = tiny_cfg(tmp_path, "rollout.name=vllm", "model.tiny.hidden_size=64", "actor.lr=2e-2",
+                   "actor.entropy_coeff=0.05", "trainer.total_rounds=3", "trainer.save_freq=5")
+    r = Run(cfg)
+    try:
+        r.round()
+        r.flush()
+        assert not list(ckpt.checkpoint_root(tmp_path).glob("round_*"))
+        prompts = stages.tokenize(r.data.val.head(16), r.tokenizer, cfg)
+        greedy = SamplingParams(n=1, temperature=0.0, max_tokens=cfg.data.max_response_length)
+        served = r.engine.generate(prompts, greedy).response_ids
+        live = HFRolloutEngine(r.trainer.actor.module, r.tokenizer).generate(prompts, greedy)
+        base = HFRolloutEngine(load_causal_lm(r.base_dir), r.tokenizer).generate(prompts, greedy)
+    finally:
+        r.close()
+    assert served == live.response_ids
+    assert live.response_ids != base.response_ids, "the update did not change the greedy policy; test is vacuous"

@@ -205,23 +205,13 @@ def save(final: Path, trainer, tokenizer, cfg, state, writer=None, extra: dict[s
     Raises `NonFiniteStateError` (on every rank, writing nothing) when a weight is NaN or inf."""
     from rlhf.checkpoint_io import SaveJob, run_inline
     from rlhf.trainer import dist as D
-    from rlhf.trainer.engines import full_state_dict
 
     rank, world = D.world()[:2]
     final = Path(final)
     tmp = final.parent / f".tmp_{final.name}"
     if writer is not None:
         writer.wait()  # the previous save is sealed (or its error raised) before this one starts
-    models = {"actor": trainer.actor, "critic": trainer.critic}
-    state_dicts = {k: full_state_dict(e) for k, e in models.items() if e is not None}  # collective under ZeRO-3
-    refuse_non_finite(state_dicts, final)
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    D.barrier()
-    files = [f for name, e in models.items() if e is not None for f in _engine_files(e, tmp / ENGINE_DIR / name)]
-    if rank == 0:
-        files += _write_small_files(tmp, trainer, tokenizer, cfg, state, state_dicts, extra or {})
+    files = _collect(tmp, trainer, tokenizer, cfg, state, extra or {}, final)
     device = next(trainer.actor.module.parameters()).device
     ready = None
     if device.type == "cuda":
@@ -235,6 +225,39 @@ def save(final: Path, trainer, tokenizer, cfg, state, writer=None, extra: dict[s
     else:
         writer.submit(job)
     return final
+
+
+def _collect(tmp: Path, trainer, tokenizer, cfg, state, extra: dict, final: Path) -> list:
+    """This rank's files of a checkpoint in `tmp`: the small ones written, the state ones as
+    `TensorFile`s referring to the live tensors."""
+    from rlhf.trainer import dist as D
+    from rlhf.trainer.engines import full_state_dict
+
+    models = {"actor": trainer.actor, "critic": trainer.critic}
+    state_dicts = {k: full_state_dict(e) for k, e in models.items() if e is not None}  # collective under ZeRO-3
+    refuse_non_finite(state_dicts, final)
+    if D.world()[0] == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    D.barrier()
+    files = [f for name, e in models.items() if e is not None for f in _engine_files(e, tmp / ENGINE_DIR / name)]
+    if D.world()[0] == 0:
+        files += _write_small_files(tmp, trainer, tokenizer, cfg, state, state_dicts, extra)
+    return files
+
+
+def reserve(root: Path, trainer, tokenizer, cfg, state, writer) -> None:
+    """Have `writer` allocate the host buffers that a save of `trainer` into `root` will copy
+    into, in its thread (`CheckpointWriter.reserve`). All ranks must call it; it writes only
+    a scratch directory, removed again."""
+    from rlhf.trainer import dist as D
+
+    scratch = Path(root) / ".tmp_reserve"
+    files = _collect(scratch, trainer, tokenizer, cfg, state, {}, scratch)
+    writer.reserve(files, scratch)
+    D.barrier()
+    if D.world()[0] == 0:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _seal(tmp: Path, final: Path, digests: dict[str, str], after_seal) -> None:

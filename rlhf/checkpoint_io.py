@@ -118,18 +118,30 @@ class HostPool:
     def __init__(self):
         self._bufs: dict[str, torch.Tensor] = {}
 
-    def copy(self, tree, key: str = ""):
-        """`tree` (nested dicts, lists, tuples) with every tensor copied into a host buffer."""
+    def copy(self, tree, key: str = "", fill: bool = True):
+        """`tree` (nested dicts, lists, tuples) with every tensor copied into a host buffer
+        (with `fill` false, the buffers are only allocated and their pages touched)."""
         if isinstance(tree, torch.Tensor):
             buf = self._bufs.get(key)
             if buf is None or buf.shape != tree.shape or buf.dtype != tree.dtype:
-                buf = self._bufs[key] = torch.empty(tree.shape, dtype=tree.dtype, device="cpu")
-            return buf.copy_(tree.detach())
+                buf = self._bufs[key] = torch.zeros(tree.shape, dtype=tree.dtype, device="cpu")
+            return buf.copy_(tree.detach()) if fill else buf
         if isinstance(tree, dict):
-            return {k: self.copy(v, f"{key}/{k}") for k, v in tree.items()}
+            return {k: self.copy(v, f"{key}/{k}", fill) for k, v in tree.items()}
         if isinstance(tree, (list, tuple)):
-            return type(tree)(self.copy(v, f"{key}/{i}") for i, v in enumerate(tree))
+            return type(tree)(self.copy(v, f"{key}/{i}", fill) for i, v in enumerate(tree))
         return tree
+
+
+def _shapes(tree):
+    """`tree` with each tensor replaced by an empty meta tensor of its shape and dtype."""
+    if isinstance(tree, torch.Tensor):
+        return torch.empty(tree.shape, dtype=tree.dtype, device="meta")
+    if isinstance(tree, dict):
+        return {k: _shapes(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_shapes(v) for v in tree)
+    return tree
 
 
 def to_host(tree):
@@ -192,16 +204,21 @@ class SaveJob:
 
     def _copy(self, pool: HostPool) -> list:
         if self.ready is None:
-            return [pool.copy(f.tree, str(f.path)) for f in self.files]
+            return [pool.copy(f.tree, self._key(f)) for f in self.files]
         # A side stream that starts where the training stream stood at save time, so the copy
         # overlaps whatever the training thread launches next (the next round's rollout).
         torch.cuda.set_device(self.device)
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_event(self.ready)
         with torch.cuda.stream(stream):
-            host = [pool.copy(f.tree, str(f.path)) for f in self.files]
+            host = [pool.copy(f.tree, self._key(f)) for f in self.files]
         stream.synchronize()
         return host
+
+    def _key(self, f: TensorFile) -> str:
+        """The file's place in the checkpoint, the same in every save (the round's name is not
+        part of it), so each save reuses the last one's buffers."""
+        return str(f.path.relative_to(self.tmp))
 
     def _gather_digests(self, own: dict[str, str]) -> dict[str, str]:
         """Every rank's digests, from their markers (rank 0 waits for all of them)."""
@@ -282,6 +299,23 @@ class CheckpointWriter:
         self._copied = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(job, self._copied), name="checkpoint-writer",
                                         daemon=True)
+        self._thread.start()
+
+    def reserve(self, files: list[TensorFile], root: Path) -> None:
+        """Allocate, in the thread, the host buffers a save of `files` (paths under `root`)
+        will copy into: the first save then copies into memory whose pages exist, instead of
+        stalling the next optimizer step on page faults (about 1 GB/s in a VM)."""
+        self.wait()
+        shapes = [(str(f.path.relative_to(root)), _shapes(f.tree)) for f in files]
+
+        def run() -> None:
+            try:
+                for key, tree in shapes:
+                    self.pool.copy(tree, key, fill=False)
+            except BaseException as e:
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name="checkpoint-reserve", daemon=True)
         self._thread.start()
 
     def _run(self, job: SaveJob, copied: threading.Event) -> None:

@@ -52,6 +52,7 @@ class Run:
         from rlhf.checkpoint_io import CheckpointWriter
 
         self.writer = CheckpointWriter()  # checkpoints are written in its thread while rounds go on
+        self._reserved = False  # whether the writer's host buffers are allocated
         self.timing: dict[str, float] = {}  # the last round's stage and checkpoint times, in seconds
         resume = self._find_resume()
         self.resumed_from = str(resume) if resume else ""
@@ -139,10 +140,7 @@ class Run:
         timer["timing_s/testing"] = _lap(t)
         self.state, verdict = decide(self.state, steps, cfg)
         t = time.perf_counter()
-        if ckpt.should_save(cfg.trainer, self.state.round, verdict.stop):
-            self.save()
-        else:
-            self._sync_rollout_weights(None)
+        self._checkpoint(verdict.stop)
         timer["timing_s/save_checkpoint"] = _lap(t)
         self.timing = timer
         self.sink.log_metrics({k: timer[k] for k in ("timing_s/save_checkpoint", "timing_s/checkpoint_wait")},
@@ -159,6 +157,19 @@ class Run:
         return stages.shard_for_update(table, self.cfg, self.rank, self.world)
 
     # -- checkpoints -------------------------------------------------------------------------
+    def _checkpoint(self, stopping: bool) -> None:
+        """The round's checkpoint at a save point; otherwise the new weights to a rollout
+        engine that reads files, and (once, after the first update has made the optimizer
+        state) the writer's host buffers allocated while the next rounds run."""
+        if ckpt.should_save(self.cfg.trainer, self.state.round, stopping):
+            self.save()
+            return
+        self._sync_rollout_weights(None)
+        if not self._reserved:
+            ckpt.reserve(ckpt.checkpoint_root(self.out), self.trainer, self.tokenizer, self.cfg, self.state,
+                         self.writer)
+            self._reserved = True
+
     def save(self) -> Path:
         """Start the round checkpoint: the state is copied off the device and written by the
         writer thread (all ranks write their optimizer shards), sealed, and the checkpoints

@@ -30,8 +30,8 @@ def test_tiny_real_scale_benchmark_writes_every_section(tmp_path):
     assert "error" not in ip and "error" not in st, (ip.get("traceback"), st.get("traceback"))
     assert [r["round"] for r in ip["per_round"]] == [1, 2, 3] and len(st["per_round"]) == 2
     # save_freq 2 of the tiny workload: round 2 and the last (3) save; one checkpoint is kept
-    saved = [r["parts_s"]["timing_s/save_checkpoint"] > 1e-3 for r in ip["per_round"]]
-    assert saved == [False, True, True] and ip["checkpoints_kept"] == ["round_000003"]
+    assert ip["checkpoints_kept"] == ["round_000003"] and ip["checkpoint_bytes"] > 0
+    assert all("checkpoint_stall_s" in r for r in ip["per_round"])
     assert all(r["bytes_written"] > 0 for r in st["per_round"]) and st["per_round"][1]["parts_s"]["timing_s/restore"] > 0
     assert ip["summary"]["wall_over_compute"] >= 1.0 and "skipped" in res["colocated"]
     assert not (tmp_path / "ck" / "work").exists()

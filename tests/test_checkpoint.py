@@ -192,9 +192,9 @@ def test_an_optimizer_step_waits_for_the_copy_of_the_state(live_run, tmp_path, m
     gate = threading.Event()
     real_copy = io.HostPool.copy
 
-    def slow_copy(self, tree, key=""):
+    def slow_copy(self, tree, key="", fill=True):
         gate.wait(timeout=30)
-        return real_copy(self, tree, key)
+        return real_copy(self, tree, key, fill)
 
     monkeypatch.setattr(io.HostPool, "copy", slow_copy)
     before = {k: v.clone() for k, v in r.trainer.actor.module.state_dict().items()}
@@ -254,16 +254,21 @@ def test_in_process_driver_saves_at_save_freq_and_keeps_max_ckpt_to_keep(tmp_pat
 
     cfg = cfg_for(tmp_path, base_model, "trainer.total_rounds=5", "trainer.save_freq=2", "trainer.max_ckpt_to_keep=2",
                   "trainer.val_before_train=false", "trainer.test_freq=10")
-    run, seen = Run(cfg), []
+    run, seen, buffers = Run(cfg), [], []
     try:
         for _ in range(5):
             run.round()
             run.flush()
             seen.append(sorted(p.name for p in ckpt.checkpoint_root(tmp_path).glob("round_*")))
+            buffers.append({k: v.data_ptr() for k, v in run.writer.pool._bufs.items()})
     finally:
         run.close()
     assert seen == [[], ["round_000002"], ["round_000002"], ["round_000002", "round_000004"],
                     ["round_000004", "round_000005"]]
+    # The host buffers, allocated after round 1 (before any save), are the ones every save copies into.
+    assert len(buffers[0]) > 10 and all(b == buffers[0] for b in buffers)
+    assert any(k.endswith("exp_avg_sq") for k in buffers[0]), "the optimizer moments have no buffers"
+    assert not list(ckpt.checkpoint_root(tmp_path).glob(".tmp_*"))
 
 
 def test_staged_driver_prunes_its_handoff_checkpoints(tmp_path, base_model):  # noqa: F811

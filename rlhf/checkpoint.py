@@ -1,12 +1,18 @@
 """Round checkpoints, written atomically and found again on resume.
 
-Layout: `<output_dir>/checkpoints/round_000003/` holding `actor/` and `critic/`
-(safetensors + tokenizer, loadable by any HF tool), `engine/` (DeepSpeed optimizer
-state), and `state.json` (the `RoundState`). A checkpoint is written under a hidden
-temporary name, sealed with `manifest.json` (every file's size) and renamed into place
-only when complete, so a crash mid-save never leaves a directory that reads as valid:
-a missing manifest, a missing or truncated file is reported and an earlier checkpoint
-used. Weights holding NaN or inf are never checkpointed (`NonFiniteStateError`).
+Layout: `<output_dir>/checkpoints/round_000005/` holding `actor/` and `critic/`
+(safetensors + tokenizer, loadable by any HF tool; the only copy of the weights),
+`engine/` (DeepSpeed's optimizer state and counters, without the module weights),
+`config.yaml` and `state.json` (the `RoundState`). A checkpoint is written under a hidden
+temporary name, sealed with `manifest.json` (every file's size and digest) and renamed
+into place only when complete, so a crash mid-save never leaves a directory that reads as
+valid. A resume checks every file against the manifest: a missing manifest, a missing,
+truncated or changed file is reported and an earlier checkpoint used. Weights holding NaN
+or inf are never checkpointed (`NonFiniteStateError`). `rlhf.checkpoint_io` writes the
+files, in a background thread when the driver keeps training meanwhile.
+
+`trainer.save_freq` picks the rounds checkpointed (`is_save_point`) and
+`trainer.max_ckpt_to_keep` how many of them stay (`prune`).
 """
 
 from __future__ import annotations
@@ -17,12 +23,15 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Callable
+
+import torch
 
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^round_(\d{6})$")
 STATE_FILE = "state.json"
-MANIFEST_FILE = "manifest.json"  # written last: relative path -> size of every other file
+MANIFEST_FILE = "manifest.json"  # written last: relative path -> size and digest of every other file
 
 
 def checkpoint_root(output_dir: str | os.PathLike) -> Path:
@@ -37,19 +46,30 @@ def tmp_dir_for(root: Path, round_: int) -> Path:
     return root / f".tmp_{round_dir_name(round_)}"
 
 
-def write_manifest(path: Path) -> None:
-    """Seal a fully written checkpoint directory: record every file's size, atomically."""
-    files = {str(f.relative_to(path)): f.stat().st_size for f in sorted(path.rglob("*"))
-             if f.is_file() and f.name != MANIFEST_FILE}
+def write_manifest(path: Path, digests: dict[str, str] | None = None) -> None:
+    """Seal a fully written checkpoint directory: record every file's size and digest,
+    atomically. `digests` holds those already computed while writing (relative path ->
+    digest); every other file is read and hashed here."""
+    from rlhf.checkpoint_io import file_digest, hash_name
+
+    algo, digests = hash_name(), digests or {}
+    files = {}
+    for f in sorted(path.rglob("*")):
+        if not f.is_file() or f.name in (MANIFEST_FILE, f".{MANIFEST_FILE}.tmp"):
+            continue
+        rel = str(f.relative_to(path))
+        files[rel] = {"size": f.stat().st_size, "digest": digests.get(rel) or file_digest(f, algo)}
     tmp = path / f".{MANIFEST_FILE}.tmp"
-    tmp.write_text(json.dumps({"files": files}, indent=1, sort_keys=True))
+    tmp.write_text(json.dumps({"digest": algo, "files": files}, indent=1, sort_keys=True))
     os.replace(tmp, path / MANIFEST_FILE)
 
 
-def why_incomplete(path: Path) -> str:
-    """"" for a complete checkpoint, else what is wrong with it."""
+def why_incomplete(path: Path, checksums: bool = True) -> str:
+    """"" for a complete checkpoint, else what is wrong with it. With `checksums`, every
+    file's digest is compared with the manifest's (a full read); otherwise sizes only."""
     try:
-        files = json.loads((path / MANIFEST_FILE).read_text())["files"]
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
+        files, algo = manifest["files"], manifest.get("digest")
     except FileNotFoundError:
         return f"no {MANIFEST_FILE} (the save did not finish)"
     except (ValueError, KeyError, TypeError) as e:
@@ -57,34 +77,69 @@ def why_incomplete(path: Path) -> str:
     for name in (STATE_FILE, "actor/config.json"):
         if name not in files:
             return f"{name} is not listed in {MANIFEST_FILE}"
-    for name, size in files.items():
-        f = path / name
-        if not f.is_file():
-            return f"{name} is missing"
-        if f.stat().st_size != size:
-            return f"{name} has {f.stat().st_size} bytes, {size} expected (truncated or overwritten)"
+    for name, entry in files.items():
+        reason = _why_bad_file(path / name, name, entry, algo, checksums)
+        if reason:
+            return reason
     return ""
 
 
-def is_complete(path: Path) -> bool:
-    return why_incomplete(path) == ""
+def _why_bad_file(f: Path, name: str, entry, algo: str | None, checksums: bool) -> str:
+    from rlhf.checkpoint_io import file_digest
+
+    size = entry["size"] if isinstance(entry, dict) else entry  # size-only manifests of older versions
+    if not f.is_file():
+        return f"{name} is missing"
+    if f.stat().st_size != size:
+        return f"{name} has {f.stat().st_size} bytes, {size} expected (truncated or overwritten)"
+    if checksums and isinstance(entry, dict) and algo:
+        got = file_digest(f, algo)
+        if got != entry["digest"]:
+            return (f"{name} does not match its {algo} digest in {MANIFEST_FILE} ({got} != {entry['digest']}): "
+                    "its contents changed after the checkpoint was sealed")
+    return ""
 
 
-def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
-    """The newest complete round checkpoint; incomplete ones and left-over temporary
-    directories of an interrupted save are skipped, each with a warning naming it."""
+def is_complete(path: Path, checksums: bool = True) -> bool:
+    return why_incomplete(path, checksums) == ""
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A checkpoint given explicitly fails its manifest's check."""
+
+
+def verify(path: Path) -> None:
+    """Raise `CorruptCheckpointError` naming what is wrong unless checkpoint `path` is complete
+    and every file matches its digest."""
+    reason = why_incomplete(Path(path))
+    if reason:
+        raise corrupt(path, reason)
+
+
+def corrupt(path: Path, reason: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"checkpoint {path} is not valid: {reason}. Start from an earlier checkpoint of "
+                                  "the run, or without one (trainer.resume=disable)")
+
+
+def latest_checkpoint(output_dir: str | os.PathLike, checksums: bool = True) -> Path | None:
+    """The newest complete round checkpoint whose files match their digests; incomplete or
+    changed ones and left-over temporary directories of an interrupted save are skipped,
+    each with a warning naming it."""
     root = checkpoint_root(output_dir)
     if not root.is_dir():
         return None
     for p in sorted(root.glob(".tmp_*")):
         log.warning("ignoring half-written checkpoint %s (a save was interrupted before it was renamed)", p)
-    found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)))
-    for _, path in reversed(found):
-        reason = why_incomplete(path)
+    for _, path in reversed(_rounds(root)):
+        reason = why_incomplete(path, checksums)
         if not reason:
             return path
         log.warning("checkpoint %s is not valid: %s; using an earlier one", path, reason)
     return None
+
+
+def _rounds(root: Path) -> list[tuple[int, Path]]:
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)))
 
 
 def commit(tmp: Path, final: Path) -> None:
@@ -94,61 +149,200 @@ def commit(tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
 
 
-def prune(output_dir: str | os.PathLike, keep: int) -> None:
-    root = checkpoint_root(output_dir)
-    found = sorted(p for p in root.iterdir() if _NAME.match(p.name))
-    for p in found[:-keep] if keep > 0 else []:
-        shutil.rmtree(p, ignore_errors=True)
+def is_save_point(trainer_cfg, round_: int) -> bool:
+    """Whether round `round_` (1-based) is one `trainer.save_freq` asks to keep: every
+    `save_freq` rounds and the last (`save_freq` -1: the last only)."""
+    freq = trainer_cfg.save_freq
+    return round_ >= trainer_cfg.total_rounds or (freq > 0 and round_ % freq == 0)
+
+
+def should_save(trainer_cfg, round_: int, stopping: bool) -> bool:
+    """The in-process driver checkpoints at save points and when the run stops early."""
+    return stopping or is_save_point(trainer_cfg, round_)
+
+
+def prune(output_dir: str | os.PathLike, keep: int, save_point: Callable[[int], bool] = lambda r: True) -> None:
+    """`prune_dir` on the checkpoints of a run's output directory."""
+    prune_dir(checkpoint_root(output_dir), keep, save_point)
+
+
+def prune_dir(root: Path, keep: int, save_point: Callable[[int], bool] = lambda r: True) -> None:
+    """Delete the round checkpoints in `root` beyond the newest `keep` save points (`keep` <= 0:
+    keep all). The newest checkpoint always stays, save point or not: it is where the run
+    resumes (the stateless driver hands the optimizer state to the next round through it)."""
+    if keep <= 0 or not Path(root).is_dir():
+        return
+    found = _rounds(Path(root))
+    points = [p for r, p in found if save_point(r)]
+    kept = set(points[-keep:]) | ({found[-1][1]} if found else set())
+    for _, p in found:
+        if p not in kept:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------
 # Writing and restoring a trainer's state
 # ---------------------------------------------------------------------------------
 
-ENGINE_DIR = "engine"  # DeepSpeed engine state (weights, optimizer), one sub-directory per model
+ENGINE_DIR = "engine"  # DeepSpeed engine state (optimizer, counters; no weights), one sub-directory per model
 ENGINE_TAG = "state"
 CONFIG_FILE = "config.yaml"
+WEIGHTS_FILE = "model.safetensors"
 
 
-def save(final: Path, trainer, tokenizer, cfg, state) -> Path:
-    """Write a complete checkpoint at `final`, atomically: every rank writes its engine
-    shards into a hidden temporary directory, rank 0 the safetensors models, the config,
-    `state.json` and last the manifest, then renames it into place. All ranks must call it.
+def save(final: Path, trainer, tokenizer, cfg, state, writer=None, extra: dict[str, Path] | None = None,
+         after_seal: Callable[[], None] | None = None) -> Path:
+    """Write a complete checkpoint at `final`, atomically. All ranks must call it.
+
+    Every rank's DeepSpeed state goes into a hidden temporary directory, rank 0's also the
+    safetensors models, the config, `state.json` and the directories in `extra` (name ->
+    path, moved in); the manifest (sizes and digests) is written last and the directory
+    renamed into place, then `after_seal` runs on rank 0. With a `CheckpointWriter`, the
+    copy off the device and the writing run in its thread and this returns at once (an
+    optimizer step waits for the copy; anything else that changes the weights or optimizer
+    state in place calls `writer.wait_copied()` first); without one, it returns once every
+    rank's part is written and the directory sealed.
     Raises `NonFiniteStateError` (on every rank, writing nothing) when a weight is NaN or inf."""
-    from rlhf.config import save_config
+    from rlhf.checkpoint_io import SaveJob, run_inline
+    from rlhf.trainer import dist as D
+
+    rank, world = D.world()[:2]
+    final = Path(final)
+    tmp = final.parent / f".tmp_{final.name}"
+    if writer is not None:
+        writer.wait()  # the previous save is sealed (or its error raised) before this one starts
+    files = _collect(tmp, trainer, tokenizer, cfg, state, extra or {}, final)
+    device = next(trainer.actor.module.parameters()).device
+    ready = None
+    if device.type == "cuda":
+        ready = torch.cuda.Event()
+        ready.record()
+    seal = (lambda digests: _seal(tmp, final, digests, after_seal)) if rank == 0 else None
+    job = SaveJob(tmp=tmp, rank=rank, world=world, files=files, seal=seal, ready=ready, device=device)
+    if writer is None:
+        run_inline(job)
+        D.barrier()  # sealed on rank 0 before any rank returns
+    else:
+        writer.submit(job)
+    return final
+
+
+def _collect(tmp: Path, trainer, tokenizer, cfg, state, extra: dict, final: Path) -> list:
+    """This rank's files of a checkpoint in `tmp`: the small ones written, the state ones as
+    `TensorFile`s referring to the live tensors."""
     from rlhf.trainer import dist as D
     from rlhf.trainer.engines import full_state_dict
 
-    rank = D.world()[0]
-    final = Path(final)
-    tmp = final.parent / f".tmp_{final.name}"
-    actor_sd = full_state_dict(trainer.actor)  # collective under ZeRO-3: every rank takes part
-    critic_sd = full_state_dict(trainer.critic) if trainer.critic is not None else None
-    refuse_non_finite({"actor": actor_sd, "critic": critic_sd}, final)
-    if rank == 0:
+    models = {"actor": trainer.actor, "critic": trainer.critic}
+    state_dicts = {k: full_state_dict(e) for k, e in models.items() if e is not None}  # collective under ZeRO-3
+    refuse_non_finite(state_dicts, final)
+    if D.world()[0] == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     D.barrier()
-    trainer.actor.save_checkpoint(str(tmp / ENGINE_DIR / "actor"), tag=ENGINE_TAG)
-    if trainer.critic is not None:
-        trainer.critic.save_checkpoint(str(tmp / ENGINE_DIR / "critic"), tag=ENGINE_TAG)
-    D.barrier()  # every rank's shards are on disk before rank 0 seals the directory
-    if rank == 0:
-        save_module(trainer.actor.module, actor_sd, tokenizer, tmp / "actor")
-        if critic_sd is not None:
-            save_module(trainer.critic.module, critic_sd, tokenizer, tmp / "critic")
-        save_config(cfg, tmp / CONFIG_FILE)
-        (tmp / STATE_FILE).write_text(state.to_json())
-        write_manifest(tmp)
-        commit(tmp, final)
+    files = [f for name, e in models.items() if e is not None for f in _engine_files(e, tmp / ENGINE_DIR / name)]
+    if D.world()[0] == 0:
+        files += _write_small_files(tmp, trainer, tokenizer, cfg, state, state_dicts, extra)
+    return files
+
+
+def reserve(root: Path, trainer, tokenizer, cfg, state, writer) -> None:
+    """Have `writer` allocate the host buffers that a save of `trainer` into `root` will copy
+    into, in its thread (`CheckpointWriter.reserve`). All ranks must call it; it writes only
+    a scratch directory, removed again."""
+    from rlhf.trainer import dist as D
+
+    scratch = Path(root) / ".tmp_reserve"
+    files = _collect(scratch, trainer, tokenizer, cfg, state, {}, scratch)
+    writer.reserve(files, scratch)
     D.barrier()
-    return final
+    if D.world()[0] == 0:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _seal(tmp: Path, final: Path, digests: dict[str, str], after_seal) -> None:
+    write_manifest(tmp, digests)
+    commit(tmp, final)
+    if after_seal is not None:
+        after_seal()
+
+
+def _engine_files(engine, save_dir: Path) -> list:
+    """DeepSpeed's engine state of this rank, collected (not yet written) as `TensorFile`s."""
+    from rlhf.checkpoint_io import TensorFile, capture_engine
+
+    engine.checkpoint_engine = capture_engine()
+    engine.save_checkpoint(str(save_dir), tag=ENGINE_TAG, save_latest=False)
+    return [TensorFile(path=p, kind="torch", tree=sd) for p, sd in engine.checkpoint_engine.captured]
+
+
+def _write_small_files(tmp: Path, trainer, tokenizer, cfg, state, state_dicts: dict, extra: dict[str, Path]
+                       ) -> list:
+    """Rank 0: configs, tokenizers, `state.json` and `extra` now; the weights as `TensorFile`s."""
+    from rlhf.config import save_config
+
+    files = hf_model_files(trainer.actor.module, state_dicts["actor"], tokenizer, tmp / "actor")
+    if "critic" in state_dicts:
+        files += hf_model_files(trainer.critic.module, state_dicts["critic"], tokenizer, tmp / "critic")
+    save_config(cfg, tmp / CONFIG_FILE)
+    (tmp / STATE_FILE).write_text(state.to_json())
+    for name, src in extra.items():
+        if Path(src).is_dir():
+            shutil.move(str(src), str(tmp / name))
+    return files
+
+
+def hf_model_files(module, state_dict: dict, tokenizer, path: Path) -> list:
+    """A causal LM or a `ValueModel` as `save_pretrained` lays it out: its config and
+    tokenizer written now, its (gathered) weights returned as `TensorFile`s to write.
+    Tied weights are stored once, under the name `save_pretrained` keeps."""
+    from rlhf.checkpoint_io import TensorFile
+    from rlhf.models.load import VALUE_CONFIG_FILE, VALUE_HEAD_FILE
+
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(path))
+    if hasattr(module, "value_head"):  # ValueModel: the backbone's directory plus the head
+        backbone = {k[len("backbone."):]: v for k, v in state_dict.items() if k.startswith("backbone.")}
+        head = {k[len("value_head."):]: v for k, v in state_dict.items() if k.startswith("value_head.")}
+        module.backbone.config.save_pretrained(str(path))
+        (path / VALUE_CONFIG_FILE).write_text(json.dumps({"value_head": VALUE_HEAD_FILE,
+                                                          "hidden_size": module.config.hidden_size}))
+        return [TensorFile(path / WEIGHTS_FILE, "safetensors", _untied(module.backbone, backbone)),
+                TensorFile(path / VALUE_HEAD_FILE, "safetensors", head)]
+    module.config.save_pretrained(str(path))
+    if getattr(module, "generation_config", None) is not None:
+        module.generation_config.save_pretrained(str(path))
+    return [TensorFile(path / WEIGHTS_FILE, "safetensors", _untied(module, state_dict))]
+
+
+def _untied(module, state_dict: dict) -> dict:
+    """`state_dict` without the tied copies (`lm_head.weight` when it is the embedding)."""
+    tied = getattr(module, "all_tied_weights_keys", None) or {}
+    return {k: v.contiguous() for k, v in state_dict.items() if not (k in tied and tied[k] in state_dict)}
+
+
+def save_policy(path: Path, actor, tokenizer) -> Path:
+    """The actor's current weights alone as `<path>/actor` (a model directory, replaced
+    atomically; no optimizer state, no seal): what a rollout engine that reads files
+    (vLLM) loads between checkpoints. All ranks must call it."""
+    from rlhf.checkpoint_io import TensorFile, run_file_jobs
+    from rlhf.trainer import dist as D
+    from rlhf.trainer.engines import full_state_dict
+
+    path = Path(path)
+    sd = full_state_dict(actor)  # collective under ZeRO-3
+    if D.world()[0] == 0:
+        tmp = path.parent / f".tmp_{path.name}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        files: list[TensorFile] = hf_model_files(actor.module, sd, tokenizer, tmp / "actor")
+        run_file_jobs(files)
+        commit(tmp, path)
+    D.barrier()
+    return path
 
 
 def refuse_non_finite(state_dicts: dict, final: Path) -> None:
     """Raise `NonFiniteStateError` on every rank when any rank sees a NaN or inf weight."""
-    import torch
-
     from rlhf.faults import NonFiniteStateError, non_finite_tensors
     from rlhf.trainer import dist as D
 
@@ -162,17 +356,6 @@ def refuse_non_finite(state_dicts: dict, final: Path) -> None:
     raise NonFiniteStateError(msg)
 
 
-def save_module(module, state_dict, tokenizer, path: Path) -> None:
-    """A causal LM as `save_pretrained` with the given (gathered) weights; a critic as a ValueModel dir."""
-    from rlhf.models.load import save_model_atomic
-
-    if hasattr(module, "save_pretrained") and not hasattr(module, "value_head"):
-        module.save_pretrained(str(path), state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(str(path))
-    else:
-        save_model_atomic(module, tokenizer, str(path))
-
-
 def read_state(path: Path):
     """The `RoundState` saved in checkpoint `path`."""
     from rlhf.state import RoundState
@@ -181,21 +364,20 @@ def read_state(path: Path):
 
 
 def restore(trainer, path: Path, state=None):
-    """Load the DeepSpeed engine state (weights and optimizer) of checkpoint `path` into
-    `trainer`, then the round state (`state`, or the one saved there) into its KL controller
+    """Load the DeepSpeed engine state (optimizer, counters) of checkpoint `path` into
+    `trainer`, whose modules were built from that checkpoint's safetensors, then the round state (`state`, or the one saved there) into its KL controller
     and skip counter. Returns that state. Engine files are read weights-only (no pickled code)."""
-    from rlhf.trainer.safe_checkpoint import restrict_loading
+    from rlhf.checkpoint_io import capture_engine, keep_module_weights
 
     path = Path(path)
     state = state if state is not None else read_state(path)
-    for engine in (trainer.actor, trainer.critic):
-        if engine is not None:
-            restrict_loading(engine)
-    trainer.actor.load_checkpoint(str(path / ENGINE_DIR / "actor"), tag=ENGINE_TAG, load_module_strict=True,
-                                  load_lr_scheduler_states=False)
-    if trainer.critic is not None:
-        trainer.critic.load_checkpoint(str(path / ENGINE_DIR / "critic"), tag=ENGINE_TAG,
-                                       load_module_strict=True, load_lr_scheduler_states=False)
+    for name, engine in (("actor", trainer.actor), ("critic", trainer.critic)):
+        if engine is None:
+            continue
+        engine.checkpoint_engine = capture_engine()  # reads weights-only
+        # The module already holds this checkpoint's weights (`build_trainer` read its safetensors).
+        engine.load_checkpoint(str(path / ENGINE_DIR / name), tag=ENGINE_TAG, load_lr_scheduler_states=False,
+                               custom_load_fn=keep_module_weights)
     apply_state(trainer, state)
     return state
 

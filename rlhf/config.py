@@ -216,8 +216,8 @@ class TrainerConfig:
     num_threads: int = 1  # torch CPU threads per process on CPU (tiny models run fastest on one); 0 => default
     profile_steps: list[int] = field(default_factory=list)  # global steps to trace with torch.profiler
     balance_batch: bool = True  # split each PPO mini-batch over ranks by equal rows and near-equal tokens
-    max_ckpt_to_keep: int = 2  # round checkpoints kept
-    save_freq: int = 1  # rounds between checkpoints (plus one after the last round); -1 => only at the end
+    max_ckpt_to_keep: int = 2  # checkpoints kept (the newest save points); <= 0 => all
+    save_freq: int = 5  # rounds between checkpoints (plus one after the last round); -1 => only at the end
     granularity: str = "segment"  # Flyte rounds: "segment" (K rounds per GPU task; real sizes) | "stage" (task per stage)
     rounds_per_segment: int = 10  # K: rounds one colocated Flyte segment runs (granularity=segment)
 
@@ -601,6 +601,9 @@ def validate(cfg: PPOConfig) -> None:
                 "ref.log_prob_micro_batch_size_per_gpu"):
         if flat[key] < 0:
             raise ConfigError(f"config key '{key}' must be >= 0, got {flat[key]}")
+    if cfg.trainer.save_freq == 0 or cfg.trainer.save_freq < -1:
+        raise ConfigError(f"trainer.save_freq must be >= 1 (rounds between checkpoints) or -1 (only after the "
+                          f"last round), got {cfg.trainer.save_freq}")
     if cfg.algorithm.adv_estimator == "grpo" and cfg.rollout.n < 2:
         raise ConfigError("algorithm.adv_estimator=grpo needs rollout.n >= 2 (a group per prompt)")
     from rlhf.config_ranges import check_ranges

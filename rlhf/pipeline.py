@@ -18,8 +18,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -220,12 +221,14 @@ def rollout_policy(cfg: PPOConfig, model_dir: str, prompts: pd.DataFrame, state:
     device = pick_device(cfg)
     t = time.perf_counter()
     engine, tokenizer = _make_engine(cfg, model_dir, device)
+    built = time.perf_counter()
     try:
         rollouts = stages.rollout(engine, tokenizer, prompts, cfg, seed=rollout_seed(cfg, state.round))
     finally:
         engine.close()
     metrics = stages.rollout_metrics(rollouts, cfg)
     metrics["timing_s/gen"] = time.perf_counter() - t
+    metrics["timing_s/gen_engine_build"] = built - t  # loading the policy and building the engine
     return rollouts, metrics
 
 
@@ -240,6 +243,7 @@ class UpdateResult:
     checkpoint: str  # the new checkpoint directory (actor/, critic/, engine/, state.json, config.yaml)
     state: RoundState
     steps: list[dict[str, float]]  # full per-step metrics
+    timing: dict[str, float] = field(default_factory=dict)  # seconds: load, restore, update, save
 
     @property
     def policy(self) -> str:
@@ -250,56 +254,92 @@ class UpdateResult:
 def update_from_checkpoint(cfg: PPOConfig, base_model_dir: str, checkpoint_dir: Optional[str],
                            scored: pd.DataFrame, state: RoundState, out_dir: str, sink=None) -> UpdateResult:
     """`steps_per_round` PPO steps over the round's scored rollouts, starting from checkpoint
-    `checkpoint_dir` (weights, DeepSpeed optimizer state) or, for the first round, from the
-    base policy; saves the new checkpoint atomically under `out_dir` and returns it with
-    the new state and the step metrics.
+    `checkpoint_dir` (weights, DeepSpeed optimizer state; its files checked against their
+    digests first) or, for the first round, from the base policy; saves the new checkpoint
+    atomically under `out_dir` and returns it with the new state and the step metrics.
+    Profiler traces of the round (`trainer.profile_steps`) go inside the new checkpoint
+    (`profile/`). Every round writes a checkpoint (the next round starts from it); of those
+    under `out_dir`, the newest stays and, beyond it, the newest `trainer.max_ckpt_to_keep`
+    of the rounds `trainer.save_freq` picks.
 
     Under torchrun every rank calls this with the same arguments: each trains on its shard
     of the rows and writes its optimizer shards; rank 0's `out_dir` is used by all ranks.
     """
-    from rlhf.models.load import load_tokenizer
-
     device = pick_device(cfg)
     rank, world = D.init_distributed(device)
     torch.manual_seed(cfg.trainer.seed)
     stages.check_sizes(cfg, world)
     out = Path(D.broadcast_object(str(out_dir)))
-    resume = Path(checkpoint_dir) if checkpoint_dir else None
-    tokenizer = load_tokenizer(base_model_dir, trust_remote_code=cfg.model.trust_remote_code)
-    trainer = build_trainer(cfg, derive_sizes(cfg, world), base_model_dir, device, resume)
-    if resume:
-        ckpt.restore(trainer, resume, state)
-    else:
-        ckpt.apply_state(trainer, state)
+    timing: dict[str, float] = {}
+    trainer, tokenizer = _load_trainer(cfg, base_model_dir, checkpoint_dir, state, rank, world, device, timing)
     local = stages.shard_for_update(scored, cfg, rank, world)
-    t = time.perf_counter()
     from rlhf.profiling import StepProfiler
 
-    profiler = StepProfiler(cfg.trainer.profile_steps, out, device, rank)
+    traces = out / f".profile_{ckpt.round_dir_name(state.round + 1)}"
+    profiler = StepProfiler(cfg.trainer.profile_steps, traces, device, rank)
+    t = time.perf_counter()
     torch.manual_seed(update_seed(cfg, state.round, rank))
     with profiler.update(state.global_step + 1, cfg.trainer.steps_per_round, sink if rank == 0 else None):
         steps = stages.update(trainer, local, tokenizer.pad_token_id, cfg)
-    timing = {"timing_s/update": time.perf_counter() - t}
-    steps = step_metrics(steps, stages.rollout_metrics(scored, cfg), timing, count_tokens(scored), world, trainer,
-                         device)
+    timing["timing_s/update"] = time.perf_counter() - t
+    steps = step_metrics(steps, stages.rollout_metrics(scored, cfg), {"timing_s/update": timing["timing_s/update"]},
+                         count_tokens(scored), world, trainer, device)
     if sink is not None and rank == 0:
         for i, m in enumerate(steps):
             sink.log_metrics(m, step=state.global_step + i + 1)
     new = record_update(state, steps, trainer.kl_ctrl.value)
-    final = ckpt.save(out / ckpt.round_dir_name(new.round), trainer, tokenizer, cfg, new)
-    return UpdateResult(checkpoint=str(final), state=new, steps=steps)
+    t = time.perf_counter()
+    tc = cfg.trainer
+    final = ckpt.save(out / ckpt.round_dir_name(new.round), trainer, tokenizer, cfg, new,
+                      extra={"profile": traces / "profile"},
+                      after_seal=lambda: ckpt.prune_dir(out, tc.max_ckpt_to_keep, lambda r: ckpt.is_save_point(tc, r)))
+    if rank == 0:
+        shutil.rmtree(traces, ignore_errors=True)
+    timing["timing_s/save_checkpoint"] = time.perf_counter() - t
+    return UpdateResult(checkpoint=str(final), state=new, steps=steps, timing=timing)
+
+
+def _load_trainer(cfg: PPOConfig, base_model_dir: str, checkpoint_dir: Optional[str], state: RoundState,
+                  rank: int, world: int, device: torch.device, timing: dict[str, float]):
+    """The trainer at the start of the round: checkpoint `checkpoint_dir` verified (by rank 0,
+    which tells the others), its models and engines built, its optimizer state restored (or
+    the base policy's, fresh)."""
+    from rlhf.models.load import load_tokenizer
+
+    resume = Path(checkpoint_dir) if checkpoint_dir else None
+    t = time.perf_counter()
+    if resume:
+        reason = D.broadcast_object(ckpt.why_incomplete(resume) if rank == 0 else None)
+        if reason:
+            raise ckpt.corrupt(resume, reason)
+    timing["timing_s/verify_checkpoint"] = time.perf_counter() - t
+    t = time.perf_counter()
+    tokenizer = load_tokenizer(base_model_dir, trust_remote_code=cfg.model.trust_remote_code)
+    trainer = build_trainer(cfg, derive_sizes(cfg, world), base_model_dir, device, resume)
+    timing["timing_s/build_trainer"] = time.perf_counter() - t
+    t = time.perf_counter()
+    if resume:
+        ckpt.restore(trainer, resume, state)
+    else:
+        ckpt.apply_state(trainer, state)
+    timing["timing_s/restore"] = time.perf_counter() - t
+    return trainer, tokenizer
 
 
 def evaluate_policy(cfg: PPOConfig, model_dir: str, val: pd.DataFrame, state: RoundState, sink=None
                     ) -> tuple[RoundState, dict[str, float]]:
     """Greedy validation of the policy saved in `model_dir`; the score is recorded in the state."""
     device = pick_device(cfg)
+    t = time.perf_counter()
     engine, tokenizer = _make_engine(cfg, model_dir, device)
     samples: list[dict] = []
+    built = time.perf_counter()
     try:
         metrics = stages.evaluate(engine, tokenizer, val, cfg, stages.load_reward_model(cfg, device), samples=samples)
     finally:
         engine.close()
+    metrics["timing_s/testing"] = time.perf_counter() - t
+    metrics["timing_s/testing_engine_build"] = built - t
     new = record_val(state, stages.val_score(metrics), cfg.early_stop.min_delta)
     if sink is not None:
         from rlhf.run_artifacts import log_generations

@@ -85,6 +85,7 @@ def run_segment(cfg: PPOConfig, base_dir: str, train: pd.DataFrame, val: pd.Data
     def after_round(r: Run) -> None:
         if should_save(cfg, r.state.round, end):
             path = r.save()
+            r.flush()  # written in the background: the upload needs the sealed directory
             if r.rank == 0:
                 on_checkpoint(path)
             D.barrier()
@@ -92,10 +93,11 @@ def run_segment(cfg: PPOConfig, base_dir: str, train: pd.DataFrame, val: pd.Data
     try:
         verdict = run_rounds(run, end, decide_last=False, after_round=after_round)
         final = run.save()
+        run.flush()
         rollouts = _all_rows(run.last_rollouts, cfg, run.world)
         scored = _all_rows(run.last_scored, cfg, run.world)
     finally:
-        run.engine.close()
+        run.close(close_sink=False)  # the sink is the task's
     table = _steps_table(run.state, first_step)
     return SegmentResult(checkpoint=str(final), state=run.state, steps=run.last_steps, metrics=table,
                          rollouts=rollouts, scored=scored, stopped=verdict.stop)

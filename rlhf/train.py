@@ -42,7 +42,7 @@ class Run:
             base_dir = stages.prepare_policy(cfg, self.out, data)
         D.barrier()
         base_dir = D.broadcast_object(base_dir if self.rank == 0 else None)
-        resume = resume_point(cfg.trainer.resume, self.out)
+        resume = self._find_resume()
         self._build(base_dir, data, resume, state=None, fit=True)
         self.sink = self._make_sink()
 
@@ -73,6 +73,11 @@ class Run:
         self.sizes = derive_sizes(cfg, self.world)
         self.out = Path(D.broadcast_object(str(out)))  # rank 0's: every rank writes its shards there
         self.out.mkdir(parents=True, exist_ok=True)
+        from rlhf.checkpoint_io import CheckpointWriter
+
+        self.writer = CheckpointWriter()  # checkpoints are written in its thread while rounds go on
+        self._reserved = False  # whether the writer's host buffers are allocated
+        self.timing: dict[str, float] = {}  # the last round's stage and checkpoint times, in seconds
 
     def _build(self, base_dir: str, data: stages.DataBundle, resume: Optional[Path], state: Optional[RoundState],
                fit: bool) -> None:
@@ -108,6 +113,12 @@ class Run:
         self.last_steps: list[dict[str, float]] = []
 
     # -- set-up helpers ------------------------------------------------------------------
+    def _find_resume(self) -> Path | None:
+        """`trainer.resume`'s checkpoint (rank 0 reads and checks it, then tells every rank)."""
+        found = resume_point(self.cfg.trainer.resume, self.out) if self.rank == 0 else None
+        found = D.broadcast_object(str(found) if found else "")
+        return Path(found) if found else None
+
     def _make_engine(self, policy_dir: str):
         from rlhf.rollout import make_engine
 
@@ -161,7 +172,9 @@ class Run:
         torch.manual_seed(P.update_seed(cfg, self.state.round, self.rank))
         with self.profiler.update(self.state.global_step + 1, cfg.trainer.steps_per_round, self.sink):
             steps = stages.update(self.trainer, local, self.tokenizer.pad_token_id, cfg)
-        timer["timing_s/update"] = _lap(t)
+        # Its first optimizer step waited for the copy of the last save's state, if still under way.
+        timer["timing_s/checkpoint_wait"] = self.writer.take_stalled()
+        timer["timing_s/update"] = _lap(t) - timer["timing_s/checkpoint_wait"]
         gen_metrics = D.mean_across_ranks(stages.rollout_metrics(rollouts, cfg))
         n_tokens = float(D.all_reduce_sum(torch.tensor(P.count_tokens(rollouts))))
         steps = P.step_metrics(steps, gen_metrics, timer, n_tokens, self.world, self.trainer, self.device)
@@ -170,21 +183,24 @@ class Run:
         self.state = P.record_update(self.state, steps, self.trainer.kl_ctrl.value)
         self.last_rollouts, self.last_scored, self.last_steps = rollouts, scored, steps
         self.last_step = steps[-1] if steps else {}
+        self.timing = timer
         self.sync_engine()
         return steps
 
     def end_round(self, steps: list[dict[str, float]]) -> Verdict:
         """The round's validation (every `test_freq` rounds and after the last) and the
         early-stop decision."""
+        t = time.perf_counter()
         if P.should_evaluate(self.cfg, self.state.round):
             self.evaluate()
+        self.timing["timing_s/testing"] = _lap(t)
         self.state, verdict = decide(self.state, steps, self.cfg)
         return verdict
 
     def round(self) -> Verdict:
         """One whole round, as the in-process driver runs it (checkpoint included)."""
         verdict = self.end_round(self.update_round())
-        self.save()
+        self.checkpoint(verdict.stop)
         return verdict
 
     def _update_share(self, scored):
@@ -197,38 +213,70 @@ class Run:
         return stages.shard_for_update(table, self.cfg, self.rank, self.world)
 
     # -- checkpoints and weights ------------------------------------------------------------
+    def checkpoint(self, stopping: bool) -> None:
+        """The in-process driver's checkpoint policy: a checkpoint at a save point (every
+        `trainer.save_freq` rounds, the last round, an early stop), written in the background;
+        otherwise (once, after the first update has made the optimizer state) the writer's host
+        buffers allocated while the next rounds run. The times go to the sink."""
+        t = time.perf_counter()
+        if ckpt.should_save(self.cfg.trainer, self.state.round, stopping):
+            self.save()
+        elif not self._reserved:
+            ckpt.reserve(ckpt.checkpoint_root(self.out), self.trainer, self.tokenizer, self.cfg, self.state,
+                         self.writer)
+            self._reserved = True
+        self.timing["timing_s/save_checkpoint"] = _lap(t)
+        self.sink.log_metrics({k: self.timing.get(k, 0.0) for k in ("timing_s/save_checkpoint",
+                                                                    "timing_s/checkpoint_wait")},
+                              step=self.state.global_step)
+
     def save(self) -> Path:
-        """Write the round checkpoint atomically (all ranks write their optimizer shards)."""
+        """Start the round checkpoint: the state is copied off the device and written by the
+        writer thread (all ranks write their optimizer shards), sealed, and the checkpoints
+        beyond `trainer.max_ckpt_to_keep` pruned, while the next round runs (its first
+        optimizer step waits for the copy)."""
         final = ckpt.checkpoint_root(self.out) / ckpt.round_dir_name(self.state.round)
-        ckpt.save(final, self.trainer, self.tokenizer, self.cfg, self.state)
-        if self.rank == 0:
-            ckpt.prune(self.out, self.cfg.trainer.max_ckpt_to_keep)
-        D.barrier()
+        tc = self.cfg.trainer
+        ckpt.save(final, self.trainer, self.tokenizer, self.cfg, self.state, writer=self.writer,
+                  after_seal=lambda: ckpt.prune(self.out, tc.max_ckpt_to_keep, lambda r: ckpt.is_save_point(tc, r)))
+        self._reserved = True  # the save allocated the writer's host buffers
         return final
 
     def sync_engine(self) -> None:
         """Hand the updated policy to the rollout engine before anything generates again. The HF
-        engines share the trainer's module; vLLM loads the weights from a scratch directory
-        (every round: the next rollout or validation must see this round's update)."""
+        engines share the trainer's module; vLLM loads the weights from files (every round: the
+        next rollout or validation must see this round's update)."""
         if self.cfg.rollout.name != "vllm":
             return
-        from rlhf.trainer.engines import full_state_dict
+        policy = ckpt.save_policy(self.out / "rollout_policy", self.trainer.actor, self.tokenizer)
+        self.engine.update_weights(str(policy / "actor"))
 
-        weights = self.out / ".engine_weights"
-        state_dict = full_state_dict(self.trainer.actor)  # collective under ZeRO-3
-        if self.rank == 0:
-            ckpt.save_module(self.trainer.actor.module, state_dict, self.tokenizer, weights)
+    def flush(self) -> float:
+        """Wait for the checkpoint being written; seconds waited."""
+        waited = self.writer.wait()
         D.barrier()
-        self.engine.update_weights(str(weights))
+        return waited
 
-    def close(self, status: str = "FINISHED") -> None:
-        self.engine.close()
-        self.sink.close(status)
+    def close(self, status: str = "FINISHED", raise_errors: bool = True, close_sink: bool = True) -> None:
+        """Wait for the checkpoint being written, release the engine and end the tracked run
+        with `status`. A failed write raises, unless `raise_errors` is false (an error already
+        on its way wins; the write's is logged)."""
+        try:
+            self.writer.close()
+        except RuntimeError:
+            if raise_errors:
+                raise
+            log.exception("the last checkpoint was not written")
+        finally:
+            self.engine.close()
+            if close_sink:
+                self.sink.close(status)
 
 
 def resume_point(resume: str, output_dir: Path) -> Optional[Path]:
     """The checkpoint `trainer.resume` starts from: the newest complete one in the output
-    directory ("auto"), none ("disable"), or the named checkpoint directory."""
+    directory ("auto"; every file checked against its digest), none ("disable"), or the
+    named checkpoint directory."""
     if resume == "auto":
         return ckpt.latest_checkpoint(output_dir)
     if resume == "disable":
@@ -273,10 +321,11 @@ def train(cfg: PPOConfig) -> dict:
         t_loop, rounds_before = time.perf_counter(), run.state.round
 
         def after_round(r: Run) -> None:
-            r.save()
+            r.checkpoint(stopping=bool(r.state.stop_reason))
             _progress(r, t_loop, r.state.round - rounds_before)
 
         verdict = run_rounds(run, cfg.trainer.total_rounds, after_round=after_round)
+        run.flush()  # the last checkpoint is sealed before the run reports it
         summary = _summary(run, verdict)
         if run.rank == 0:
             _finish(run, summary)
@@ -287,7 +336,7 @@ def train(cfg: PPOConfig) -> dict:
         raise
     finally:
         if run is not None:
-            run.close(status)
+            run.close(status, raise_errors=status == "FINISHED")
 
 
 def _finish(run: Run, summary: dict) -> None:
@@ -295,7 +344,7 @@ def _finish(run: Run, summary: dict) -> None:
     from rlhf.results import write_summary
     from rlhf.run_artifacts import log_results
 
-    last = ckpt.latest_checkpoint(run.out)
+    last = ckpt.latest_checkpoint(run.out, checksums=False)  # sealed a moment ago by this process
     summary["final_policy"] = policy = str((last / "actor").resolve()) if last is not None else run.base_dir
     summary["mlflow_run"] = _mlflow_run(run)
     path = write_summary(run.out / "summary.json", summary)

@@ -24,6 +24,7 @@ TINY = [
     "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_gpu=8",
     "critic.ppo_micro_batch_size_per_gpu=8", "rollout.n=2", "data.max_response_length=8",
     "actor.lr=1e-3", "critic.lr=1e-3", "trainer.logger=[none]", "trainer.device=cpu",
+    "trainer.save_freq=1",  # a checkpoint every round: what the resume and fault tests interrupt
 ]
 
 

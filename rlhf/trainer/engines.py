@@ -37,6 +37,11 @@ def ds_config(cfg: PPOConfig, lr: float, weight_decay: float, grad_clip: float, 
         "bf16": {"enabled": cfg.deepspeed.bf16},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer runs in the module's forward pre-hook and, from its
+        # second step on, calls torch.cuda.synchronize() there: a stall in every training
+        # forward, and an error when a rollout engine captures a CUDA graph of that same
+        # module (hf_fast shares the trainer's actor). The run times its stages itself.
+        "timers": {"throughput": {"enabled": False, "synchronized": False}},
     }
 
 

@@ -1,0 +1,364 @@
+"""Whole PPO rounds at real model size, through each driver's own functions, in one process.
+
+    python benchmarks/real_scale.py --rounds 10 --staged-rounds 3 --ckpt-dir /dev/shm/real_scale \
+        --staged-alt-dir /tmp/real_scale --out benchmarks/results/real_scale_h200.json
+    python benchmarks/real_scale.py --tiny --out /tmp/real_scale_tiny.json     # the same code on a CPU
+
+The workload: a Qwen2.5-1.5B-shaped actor and critic (random init, bf16), 64 prompts x 4
+responses, prompts up to 512 tokens, responses up to 256, `hf_fast` rollout, GAE with the
+critic, packing and dynamic batch size, validation every round, `trainer.save_freq=5`,
+`trainer.max_ckpt_to_keep=1`. Sections of the results JSON:
+
+- `in_process`: `rlhf.train.Run` (what `python -m rlhf.train` runs), `--rounds` rounds;
+- `staged`: the stateless functions the one-task-per-stage Flyte workflow calls
+  (`rlhf.pipeline`: rollout_policy, score_rollouts, update_from_checkpoint,
+  evaluate_policy), `--staged-rounds` rounds, every function loading what it needs;
+- `colocated`: the colocated-segment loop named by `COLOCATED_LOOP`, when this tree has it
+  (see `run_colocated` for the call it gets); otherwise the section says it was skipped.
+
+Per round: wall and its parts (sample, rollout, score, update, evaluate, checkpoint; for
+the staged path also verify, trainer build and restore), bytes the process read and wrote
+(`/proc/self/io`: rchar/wchar, which count tmpfs too), and checkpoint sizes. The random
+model never samples EOS, so every response runs to 256 tokens (the workload's longest).
+
+`gpu_common.synthetic_tokenizer` saved into a Qwen2 directory reloads as a Qwen2
+tokenizer that maps every prompt to no tokens, so the benchmark hands its word-level
+tokenizer to the drivers in place of `rlhf.models.load.load_tokenizer`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+import torch  # noqa: E402
+
+import gpu_common as G  # noqa: E402
+
+COLOCATED_LOOP = "rlhf.segment:run_segment"  # module:function of the colocated Flyte segment's loop
+
+WORKLOAD = {  # the issue's measurement, one H200
+    "data.train_batch_size": 64, "rollout.n": 4, "data.max_prompt_length": 512, "data.max_response_length": 256,
+    "actor.ppo_mini_batch_size": 64, "actor.ppo_micro_batch_size_per_gpu": 4,
+    "critic.ppo_micro_batch_size_per_gpu": 4, "actor.use_dynamic_bsz": True, "actor.ppo_max_token_len_per_gpu": 16384,
+    "data.use_sequence_packing": True, "rollout.name": "hf_fast", "rollout.generate_batch_size": 256,
+    "algorithm.adv_estimator": "gae", "model.dtype": "bfloat16", "deepspeed.bf16": True, "deepspeed.zero_stage": 0,
+    "trainer.test_freq": 1, "trainer.val_before_train": False, "trainer.save_freq": 5,
+    "trainer.max_ckpt_to_keep": 1, "early_stop.enable": False, "trainer.logger": "[none]", "trainer.device": "cuda",
+    "trainer.num_threads": 0, "trainer.resume": "disable", "actor.lr": 1e-6, "critic.lr": 1e-5,
+}
+TINY = {**WORKLOAD, "data.train_batch_size": 4, "rollout.n": 2, "data.max_prompt_length": 24,
+        "data.max_response_length": 8, "actor.ppo_mini_batch_size": 4, "actor.ppo_micro_batch_size_per_gpu": 2,
+        "critic.ppo_micro_batch_size_per_gpu": 2, "actor.ppo_max_token_len_per_gpu": 256,
+        "rollout.generate_batch_size": 16, "model.dtype": "float32", "deepspeed.bf16": False,
+        "trainer.device": "cpu", "trainer.num_threads": 1, "trainer.save_freq": 2}
+N_VAL = {"1.5b": 64, "tiny": 4}
+
+
+# ---------------------------------------------------------------------------------------------
+# The workload
+# ---------------------------------------------------------------------------------------------
+
+
+def make_workload(root: Path, shape: str, device: torch.device, n_train: int, n_val: int, max_prompt: int):
+    """A random `shape` policy saved as a model directory, and train/val prompt parquets of
+    word tokens ("t123 t9 ...") with GSM8K-like lengths up to `max_prompt`."""
+    import pandas as pd
+
+    model_dir = root / "model"
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = G.build_policy(shape, device, dtype)
+    model.save_pretrained(str(model_dir))
+    vocab = G.SHAPES[shape]["vocab_size"]
+    G.synthetic_tokenizer(vocab).save_pretrained(str(model_dir))
+    del model
+    g = torch.Generator().manual_seed(0)
+    paths = {}
+    for split, n in (("train", n_train), ("val", n_val)):
+        lens, _ = G.sample_lengths(n, 1, max_prompt, 8, seed=len(split), min_prompt=4, min_response=1)
+        prompts = [" ".join(f"t{int(i)}" for i in torch.randint(3, vocab, (k,), generator=g)) for k in lens]
+        table = pd.DataFrame({"prompt": prompts, "data_source": "synthetic/arithmetic", "ability": "math",
+                              "reward_style": "rule", "ground_truth": "7", "extra_info": "{}"})
+        paths[split] = root / f"{split}.parquet"
+        table.to_parquet(paths[split])
+    return str(model_dir), str(paths["train"]), str(paths["val"])
+
+
+def use_word_tokenizer(vocab: int) -> None:
+    """Every `load_tokenizer` call of the drivers gets the benchmark's word-level tokenizer."""
+    import rlhf.models.load as L
+
+    tok = G.synthetic_tokenizer(vocab)
+    L.load_tokenizer = lambda path, trust_remote_code=False, allow_network=False: tok
+
+
+def config(base: dict, model_dir: str, train: str, val: str, out: Path, rounds: int):
+    from rlhf.config import load_config
+
+    d = {**base, "model.path": model_dir, "data.train_files": train, "data.val_files": val,
+         "trainer.output_dir": str(out), "trainer.total_rounds": rounds}
+    return load_config(None, [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in d.items()])
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring
+# ---------------------------------------------------------------------------------------------
+
+
+def io_bytes() -> dict[str, int]:
+    """Bytes this process has read and written through system calls (all threads)."""
+    try:
+        fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+        return {"read": int(fields["rchar"]), "written": int(fields["wchar"])}
+    except (OSError, KeyError, ValueError):
+        return {"read": 0, "written": 0}
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) if Path(path).exists() else 0
+
+
+class Rounds:
+    """Per-round records of one driver; each record adds wall time and I/O since the last."""
+
+    on_add = None  # called after every record (main: write the results so far)
+    last_records: list = []  # the records of the driver running now, kept if it fails
+
+    def __init__(self, device: torch.device):
+        self.device, self.records = device, []
+        Rounds.last_records = self.records
+        self._t, self._io = time.perf_counter(), io_bytes()
+
+    def start(self) -> None:
+        G.sync(self.device)
+        self._t, self._io = time.perf_counter(), io_bytes()
+
+    def add(self, parts: dict[str, float], **extra) -> dict:
+        G.sync(self.device)
+        now, io = time.perf_counter(), io_bytes()
+        rec = {"round": len(self.records) + 1, "wall_s": now - self._t,
+               "parts_s": {k: round(v, 4) for k, v in parts.items()},
+               "bytes_read": io["read"] - self._io["read"], "bytes_written": io["written"] - self._io["written"],
+               **extra}
+        if self.device.type == "cuda":
+            rec["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        self.records.append(rec)
+        print(f"  round {rec['round']}: {rec['wall_s']:.2f} s {rec['parts_s']}", flush=True)
+        rec["unattributed_s"] = rec["wall_s"] - sum(parts.values())
+        self._t, self._io = now, io
+        if Rounds.on_add is not None:
+            Rounds.on_add(self.records)
+        return rec
+
+
+def summarize(records: list[dict], compute_keys: tuple[str, ...]) -> dict:
+    """Mean wall, mean compute (the stages that are the round's work) and their ratio."""
+    if not records:
+        return {}
+    wall = [r["wall_s"] for r in records]
+    compute = [sum(r["parts_s"].get(k, 0.0) for k in compute_keys) for r in records]
+    return {"rounds": len(records), "wall_mean_s": sum(wall) / len(wall), "compute_mean_s": sum(compute) / len(wall),
+            "wall_over_compute": sum(wall) / max(sum(compute), 1e-9), "wall_max_s": max(wall),
+            "bytes_written_mean": sum(r["bytes_written"] for r in records) / len(records),
+            "bytes_read_mean": sum(r["bytes_read"] for r in records) / len(records)}
+
+
+def free_device() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+# ---------------------------------------------------------------------------------------------
+# The drivers
+# ---------------------------------------------------------------------------------------------
+
+IN_PROCESS_COMPUTE = ("timing_s/gen", "timing_s/reward", "timing_s/update", "timing_s/testing")
+
+
+def one_checkpoint_on_disk() -> None:
+    """Make every save first delete the checkpoints already there: on a machine whose disk
+    (or RAM, for /dev/shm) holds one 1.5B checkpoint and no second, the newest stays only
+    until the next one starts. (A run keeps the last one until the new one is sealed.)"""
+    from rlhf import checkpoint as ckpt
+
+    save = ckpt.save
+
+    def save_alone(final, *args, **kwargs):
+        writer = kwargs.get("writer")
+        if writer is not None:
+            writer.wait()
+        for old in Path(final).parent.glob("round_*"):
+            shutil.rmtree(old, ignore_errors=True)
+        return save(final, *args, **kwargs)
+
+    ckpt.save = save_alone
+
+
+def run_in_process(cfg, rounds: int, device: torch.device) -> dict:
+    """`rlhf.train.Run`: set-up once, then `rounds` rounds (checkpoint stall: the main
+    thread's time in the save plus the time optimizer steps waited for the writer)."""
+    from rlhf.train import Run
+
+    t = time.perf_counter()
+    run = Run(cfg)
+    setup = time.perf_counter() - t
+    rec = Rounds(device)
+    try:
+        for _ in range(rounds):
+            rec.start()
+            run.round()
+            parts = {k: v for k, v in run.timing.items() if k.startswith("timing_s/")}
+            stall = parts.get("timing_s/save_checkpoint", 0.0) + parts.get("timing_s/checkpoint_wait", 0.0)
+            rec.add(parts, checkpoint_stall_s=stall, writer_busy_after_round=run.writer.busy)
+        t = time.perf_counter()
+        final_wait = run.flush()
+        flushed = time.perf_counter() - t
+    finally:
+        run.close()
+    root = run.out / "checkpoints"
+    kept = sorted(p.name for p in root.glob("round_*"))
+    del run
+    free_device()
+    return {"setup_s": setup, "per_round": rec.records, "final_flush_s": flushed, "final_wait_s": final_wait,
+            "checkpoints_kept": kept, "checkpoint_bytes": dir_bytes(root / kept[-1]) if kept else 0,
+            "summary": {**summarize(rec.records, IN_PROCESS_COMPUTE),
+                        "checkpoint_stall_max_s": max((r["checkpoint_stall_s"] for r in rec.records), default=0.0)}}
+
+
+STAGED_COMPUTE = ("generate", "score", "timing_s/update", "evaluate_generate")
+
+
+def run_staged(cfg, rounds: int, device: torch.device, outs: list[Path]) -> dict:
+    """The stateless functions, one after another as the Flyte tasks call them: each loads
+    its model or checkpoint, builds its engine, runs, and writes what the next one reads."""
+    from rlhf import pipeline as P
+    from rlhf import stages
+    from rlhf.state import RoundState
+
+    data = P.prepare_dataset(cfg.data)
+    base = cfg.model.path
+    state, checkpoint = RoundState.initial(cfg), None
+    rec = Rounds(device)
+    for r in range(rounds):
+        rec.start()
+        parts: dict[str, float] = {}
+        t = time.perf_counter()
+        prompts, state = stages.sample_prompts(data.train, state, cfg)
+        parts["sample"] = time.perf_counter() - t
+        policy = str(Path(checkpoint) / "actor") if checkpoint else base
+        t = time.perf_counter()
+        rollouts, gen = P.rollout_policy(cfg, policy, prompts, state)
+        parts["rollout_total"] = time.perf_counter() - t
+        parts["rollout_engine_build"] = gen["timing_s/gen_engine_build"]
+        parts["generate"] = gen["timing_s/gen"] - gen["timing_s/gen_engine_build"]
+        t = time.perf_counter()
+        scored = P.score_rollouts(cfg, rollouts)
+        parts["score"] = time.perf_counter() - t
+        # Two folders in turn, so the checkpoint read and the one written may sit on two disks.
+        res = P.update_from_checkpoint(cfg, base, checkpoint, scored, state, str(outs[r % 2]))
+        parts.update(res.timing)
+        free_device()
+        t = time.perf_counter()
+        state, val = P.evaluate_policy(cfg, res.policy, data.val, res.state)
+        parts["evaluate_total"] = time.perf_counter() - t
+        parts["evaluate_engine_build"] = val["timing_s/testing_engine_build"]
+        parts["evaluate_generate"] = val["timing_s/testing"] - val["timing_s/testing_engine_build"]
+        if checkpoint:
+            shutil.rmtree(checkpoint, ignore_errors=True)  # the Flyte store keeps it; this disk cannot
+        checkpoint = res.checkpoint
+        rec.add(parts, checkpoint_bytes=dir_bytes(Path(checkpoint)))
+        free_device()
+    return {"per_round": rec.records, "summary": summarize(rec.records, STAGED_COMPUTE)}
+
+
+def run_colocated(cfg, rounds: int, device: torch.device) -> dict:
+    """The colocated segment's loop, `COLOCATED_LOOP`, called as
+    `loop(cfg, rounds=rounds, on_round=callback)`; it calls `callback(parts)` after each
+    round with that round's stage times (seconds, keyed as `Run.timing`)."""
+    module, name = COLOCATED_LOOP.split(":")
+    try:
+        loop = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        return {"skipped": f"no colocated segment loop {COLOCATED_LOOP} in this tree ({e})"}
+    rec = Rounds(device)
+    rec.start()
+
+    def on_round(parts: dict) -> None:
+        rec.add(dict(parts))
+        rec.start()
+
+    loop(cfg, rounds=rounds, on_round=on_round)
+    free_device()
+    return {"per_round": rec.records, "summary": summarize(rec.records, IN_PROCESS_COMPUTE)}
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (smoke test)")
+    p.add_argument("--rounds", type=int, default=10, help="in-process (and colocated) rounds")
+    p.add_argument("--staged-rounds", type=int, default=3)
+    p.add_argument("--drivers", default="in_process,staged,colocated")
+    p.add_argument("--ckpt-dir", default="", help="where checkpoints go (default: beside --out)")
+    p.add_argument("--staged-alt-dir", default="", help="every other staged checkpoint goes here (a second disk: "
+                   "one 1.5B checkpoint is 43 GB, and the staged round reads one while it writes the next)")
+    p.add_argument("--one-checkpoint", action="store_true", help="delete the checkpoint in place before the "
+                   "in-process driver writes the next (a machine with room for one 1.5B checkpoint)")
+    p.add_argument("--out", default="benchmarks/results/real_scale_h200.json")
+    a = p.parse_args(argv)
+    if a.one_checkpoint:
+        one_checkpoint_on_disk()
+    device = G.pick_device(a.tiny)
+    torch.set_num_threads(1 if a.tiny else torch.get_num_threads())
+    shape, base = ("tiny", TINY) if a.tiny else ("1.5b", WORKLOAD)
+    root = Path(a.ckpt_dir or Path(a.out).with_suffix("")) / "work"
+    shutil.rmtree(root, ignore_errors=True)
+    cfg_base = {**base, "trainer.device": device.type}
+    n_train = base["data.train_batch_size"] * max(a.rounds, a.staged_rounds)
+    model_dir, train, val = make_workload(root, shape, device, n_train, N_VAL[shape], base["data.max_prompt_length"])
+    use_word_tokenizer(G.SHAPES[shape]["vocab_size"])
+    results = {"environment": G.environment(device), "workload": {"shape": shape, **cfg_base},
+               "command": " ".join(["python"] + sys.argv)}
+    drivers = a.drivers.split(",")
+    for name in drivers:
+        print(f"{name}:", flush=True)
+        out = root / name
+        rounds = a.staged_rounds if name == "staged" else a.rounds
+        cfg = config(cfg_base, model_dir, train, val, out, rounds)
+        Rounds.on_add = lambda records, name=name: G.write_json(a.out, {**results, name: {"partial": records}})
+        try:
+            if name == "in_process":
+                results[name] = run_in_process(cfg, rounds, device)
+            elif name == "staged":
+                alt = Path(a.staged_alt_dir) / "staged" if a.staged_alt_dir else out
+                results[name] = run_staged(cfg, rounds, device, [out / "u0", alt / "u1"])
+                shutil.rmtree(alt, ignore_errors=True)
+            else:
+                results[name] = run_colocated(cfg, rounds, device)
+        except Exception as e:  # the other drivers still run and the error is in the results
+            import traceback
+
+            results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:],
+                             "per_round_before_error": Rounds.last_records}
+            print(results[name]["traceback"], flush=True)
+        shutil.rmtree(out, ignore_errors=True)
+        free_device()
+        G.write_json(a.out, results)  # after every driver, so a cut-off call still leaves numbers
+    shutil.rmtree(root, ignore_errors=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()

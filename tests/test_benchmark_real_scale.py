@@ -1,0 +1,37 @@
+"""`benchmarks/real_scale.py --tiny`: the whole-round benchmark of both drivers runs on a CPU
+and writes one results JSON with a section per driver."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_tiny_real_scale_benchmark_writes_every_section(tmp_path):
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_trainer import _clean_env
+
+    out = tmp_path / "real_scale.json"
+    # Its own process: the benchmark replaces the drivers' tokenizer loader with its word-level one.
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "real_scale.py"), "--tiny", "--rounds", "3",
+                          "--staged-rounds", "2", "--ckpt-dir", str(tmp_path / "ck"), "--out", str(out)],
+                         env=_clean_env(), capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert {"environment", "workload", "command", "in_process", "staged", "colocated"} <= res.keys()
+    ip, st = res["in_process"], res["staged"]
+    assert "error" not in ip and "error" not in st, (ip.get("traceback"), st.get("traceback"))
+    assert [r["round"] for r in ip["per_round"]] == [1, 2, 3] and len(st["per_round"]) == 2
+    # save_freq 2 of the tiny workload: round 2 and the last (3) save; one checkpoint is kept
+    assert ip["checkpoints_kept"] == ["round_000003"] and ip["checkpoint_bytes"] > 0
+    assert all("checkpoint_stall_s" in r for r in ip["per_round"])
+    assert all(r["bytes_written"] > 0 for r in st["per_round"]) and st["per_round"][1]["parts_s"]["timing_s/restore"] > 0
+    assert ip["summary"]["wall_over_compute"] >= 1.0 and "skipped" in res["colocated"]
+    assert not (tmp_path / "ck" / "work").exists()

@@ -13,7 +13,7 @@ critic, packing and dynamic batch size, validation every round, `trainer.save_fr
 - `staged`: the stateless functions the one-task-per-stage Flyte workflow calls
   (`rlhf.pipeline`: rollout_policy, score_rollouts, update_from_checkpoint,
   evaluate_policy), `--staged-rounds` rounds, every function loading what it needs;
-- `colocated`: the colocated-segment loop named by `COLOCATED_LOOP`, when this tree has it
+- `colocated`: `rlhf.segment.run_segment`, the loop of a colocated Flyte segment task
   (see `run_colocated` for the call it gets); otherwise the section says it was skipped.
 
 Per round: wall and its parts (sample, rollout, score, update, evaluate, checkpoint; for
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
 import shutil
 import sys
 import time
@@ -43,7 +42,6 @@ import torch  # noqa: E402
 
 import gpu_common as G  # noqa: E402
 
-COLOCATED_LOOP = "rlhf.segment:run_segment"  # module:function of the colocated Flyte segment's loop
 
 WORKLOAD = {  # the issue's measurement, one H200
     "data.train_batch_size": 64, "rollout.n": 4, "data.max_prompt_length": 512, "data.max_response_length": 256,
@@ -282,24 +280,62 @@ def run_staged(cfg, rounds: int, device: torch.device, outs: list[Path]) -> dict
 
 
 def run_colocated(cfg, rounds: int, device: torch.device) -> dict:
-    """The colocated segment's loop, `COLOCATED_LOOP`, called as
-    `loop(cfg, rounds=rounds, on_round=callback)`; it calls `callback(parts)` after each
-    round with that round's stage times (seconds, keyed as `Run.timing`)."""
-    module, name = COLOCATED_LOOP.split(":")
-    try:
-        loop = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        return {"skipped": f"no colocated segment loop {COLOCATED_LOOP} in this tree ({e})"}
-    rec = Rounds(device)
-    rec.start()
+    """`rlhf.segment.run_segment`, as the colocated Flyte task calls it: one segment of
+    `rounds` rounds from the base policy (tables prepared and fitted first, as the data
+    tasks do), its checkpoints every `save_freq` rounds written, sealed and handed to the
+    upload callback in the writer's thread, and the segment's closing checkpoint waited for
+    (the task returns it)."""
+    import dataclasses
 
-    def on_round(parts: dict) -> None:
-        rec.add(dict(parts))
+    from rlhf import stages
+    from rlhf.models.load import load_tokenizer
+    from rlhf.segment import run_segment
+    from rlhf.state import RoundState
+
+    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, rounds_per_segment=rounds))
+    t = time.perf_counter()
+    out = Path(cfg.trainer.output_dir)
+    data = stages.prepare_data(cfg)
+    base_dir = stages.prepare_policy(cfg, out, data)
+    data = stages.fit_data(data, load_tokenizer(base_dir), cfg)
+    uploads: list[tuple[str, float]] = []
+    rec = Rounds(device)
+
+    def on_round(run) -> None:
+        parts = {k: v for k, v in run.timing.items() if k.startswith("timing_s/")}
+        rec.add(parts, checkpoint_stall_s=parts.get("timing_s/checkpoint_wait", 0.0),
+                writer_busy_after_round=run.writer.busy)
         rec.start()
 
-    loop(cfg, rounds=rounds, on_round=on_round)
+    prep = time.perf_counter() - t
+    from rlhf.train import Run
+
+    build: dict[str, float] = {}
+    start = Run.start.__func__
+
+    def timed_start(cls, *args, **kwargs):  # the rounds' clock starts once the segment's engines are built
+        t0 = time.perf_counter()
+        run = start(cls, *args, **kwargs)
+        build["setup_s"] = time.perf_counter() - t0
+        rec.start()
+        return run
+
+    Run.start = classmethod(timed_start)
+    t = time.perf_counter()
+    try:
+        result = run_segment(cfg, base_dir, data.train, data.val, None, RoundState.initial(cfg), str(out / "segment"),
+                             on_checkpoint=lambda path: uploads.append((path.name, time.perf_counter() - t)),
+                             on_round=on_round)
+    finally:
+        Run.start = classmethod(start)
+    segment_s = time.perf_counter() - t
     free_device()
-    return {"per_round": rec.records, "summary": summarize(rec.records, IN_PROCESS_COMPUTE)}
+    return {"prepare_s": prep, **build, "segment_s": segment_s, "per_round": rec.records, "uploaded": uploads,
+            "closing_checkpoint": Path(result.checkpoint).name,
+            "summary": {**summarize(rec.records, IN_PROCESS_COMPUTE),
+                        "checkpoint_stall_max_s": max((r["checkpoint_stall_s"] for r in rec.records), default=0.0),
+                        "closing_checkpoint_wait_s": segment_s - build.get("setup_s", 0.0)
+                        - sum(r["wall_s"] for r in rec.records)}}
 
 
 # ---------------------------------------------------------------------------------------------

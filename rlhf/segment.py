@@ -66,12 +66,14 @@ def should_save(cfg: PPOConfig, rounds_done: int, end: int) -> bool:
 
 def run_segment(cfg: PPOConfig, base_dir: str, train: pd.DataFrame, val: pd.DataFrame,
                 checkpoint: Optional[str], state: RoundState, out_dir: str, sink=None,
-                resume: Optional[str] = None, on_checkpoint: Callable[[Path], None] = lambda path: None
-                ) -> SegmentResult:
+                resume: Optional[str] = None, on_checkpoint: Callable[[Path], None] = lambda path: None,
+                on_round: Callable = lambda run: None) -> SegmentResult:
     """The rounds after `state.round` up to `segment_end`, from checkpoint `checkpoint` (None:
     the base policy) or, when a retried task found one, from its own newer checkpoint `resume`
     (the state saved there wins). Every rank of the process group calls it with the same
-    arguments; `on_checkpoint` and the returned tables are rank 0's business."""
+    arguments; `on_checkpoint` (called once a checkpoint is sealed, in the checkpoint writer's
+    thread) and the returned tables are rank 0's business; `on_round(run)` runs after every
+    round (progress, benchmarks)."""
     from rlhf.train import Run, run_rounds
 
     end = segment_end(cfg, state.round)
@@ -84,11 +86,10 @@ def run_segment(cfg: PPOConfig, base_dir: str, train: pd.DataFrame, val: pd.Data
 
     def after_round(r: Run) -> None:
         if should_save(cfg, r.state.round, end):
-            path = r.save()
-            r.flush()  # written in the background: the upload needs the sealed directory
-            if r.rank == 0:
-                on_checkpoint(path)
-            D.barrier()
+            # Written, sealed and then uploaded in the writer's thread while the next rounds run;
+            # a failed attempt waits for it in `close` (its retry resumes from it).
+            r.save(on_sealed=on_checkpoint)
+        on_round(r)
 
     try:
         verdict = run_rounds(run, end, decide_last=False, after_round=after_round)

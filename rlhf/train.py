@@ -230,15 +230,21 @@ class Run:
                                                                     "timing_s/checkpoint_wait")},
                               step=self.state.global_step)
 
-    def save(self) -> Path:
+    def save(self, on_sealed: Callable[[Path], None] = lambda path: None) -> Path:
         """Start the round checkpoint: the state is copied off the device and written by the
-        writer thread (all ranks write their optimizer shards), sealed, and the checkpoints
-        beyond `trainer.max_ckpt_to_keep` pruned, while the next round runs (its first
-        optimizer step waits for the copy)."""
+        writer thread (all ranks write their optimizer shards), sealed, the checkpoints beyond
+        `trainer.max_ckpt_to_keep` pruned and `on_sealed(path)` called (rank 0, writer thread:
+        a segment's upload), while the next round runs (its first optimizer step waits for the
+        copy)."""
         final = ckpt.checkpoint_root(self.out) / ckpt.round_dir_name(self.state.round)
         tc = self.cfg.trainer
+
+        def after_seal() -> None:
+            ckpt.prune(self.out, tc.max_ckpt_to_keep, lambda r: ckpt.is_save_point(tc, r))
+            on_sealed(final)
+
         ckpt.save(final, self.trainer, self.tokenizer, self.cfg, self.state, writer=self.writer,
-                  after_seal=lambda: ckpt.prune(self.out, tc.max_ckpt_to_keep, lambda r: ckpt.is_save_point(tc, r)))
+                  after_seal=after_seal)
         self._reserved = True  # the save allocated the writer's host buffers
         return final
 

@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from rlhf.config import PPOConfig, derive_sizes
+from rlhf.config import GROUP_ESTIMATORS, PPOConfig, derive_sizes
 from rlhf.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
 from rlhf.state import RoundState
 from rlhf.trainer.batch import PPOBatch, collate
@@ -139,7 +139,7 @@ def shard_for_update(df: pd.DataFrame, cfg: PPOConfig, rank: int, world: int,
         return shard(df, steps, rank, world)
     if lengths is None:
         lengths = token_lengths(df)
-    groups = df["group_id"].tolist() if cfg.algorithm.adv_estimator == "grpo" else None
+    groups = df["group_id"].tolist() if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS else None
     parts, why = balanced_rows(lengths, steps, world, derive_sizes(cfg, world).mini_batch_responses, groups)
     if parts is None:
         if why not in _FALLBACK_LOGGED:
@@ -391,7 +391,7 @@ def val_score(metrics: dict[str, float]) -> float:
 
 def check_sizes(cfg: PPOConfig, world: int) -> None:
     sizes = derive_sizes(cfg, world)
-    if cfg.algorithm.adv_estimator == "grpo" and cfg.data.train_batch_size % world:
-        raise ValueError(f"GRPO keeps each prompt's group on one rank: data.train_batch_size "
+    if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and cfg.data.train_batch_size % world:
+        raise ValueError(f"{cfg.algorithm.adv_estimator} keeps each prompt's group on one rank: data.train_batch_size "
                          f"({cfg.data.train_batch_size}) must be divisible by the {world} ranks")
     del sizes

@@ -49,19 +49,48 @@ def update_seed(cfg: PPOConfig, round_: int, rank: int = 0) -> int:
 
 
 def should_evaluate(cfg: PPOConfig, rounds_done: int) -> bool:
-    """Validate after round `rounds_done` (1-based): every `test_freq` rounds and after the last."""
+    """Validate after round `rounds_done` (1-based): every `test_freq` rounds and after the last;
+    never with `test_freq=-1`."""
+    if cfg.trainer.test_freq <= 0:
+        return False
     return rounds_done % cfg.trainer.test_freq == 0 or rounds_done == cfg.trainer.total_rounds
 
 
 def should_validate_first(cfg: PPOConfig, state: RoundState) -> bool:
     """Validate the starting policy before any update (`trainer.val_before_train`)."""
-    return cfg.trainer.val_before_train and state.round == 0 and state.val_start < 0
+    return cfg.trainer.val_before_train and cfg.trainer.test_freq > 0 and state.round == 0 and state.val_start < 0
 
 
 def record_update(state: RoundState, steps: list[dict[str, float]], kl_coef: float) -> RoundState:
     """The state after a round's update: step history, global step, KL coefficient, round + 1."""
     new = record_steps(state, steps)
     return replace(new, kl_coef=float(kl_coef), round=state.round + 1)
+
+
+def offline_table(cfg: PPOConfig, tokenizer) -> Optional[pd.DataFrame]:
+    """The stored rollouts of `data.rollout_files` (offline RLHF, `rlhf.offline`), or None."""
+    if not cfg.data.rollout_files:
+        return None
+    from rlhf.offline import load_rollouts
+
+    return load_rollouts(cfg, tokenizer)
+
+
+def offline_round(table: pd.DataFrame, cfg: PPOConfig, round_: int, rank: int, world: int, reward_model=None
+                  ) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(rollouts, scored) of round `round_` (rounds done before it) from the stored table."""
+    from rlhf.offline import offline_round as _round
+
+    return _round(table, cfg, round_, rank, world, reward_model)
+
+
+def store_rollouts(cfg: PPOConfig, scored: pd.DataFrame, round_: int, rank: int = 0) -> None:
+    """Write round `round_`'s (1-based) scored rollouts under `trainer.rollout_data_dir`, if set:
+    the input format of offline RLHF (`data.rollout_files`)."""
+    if cfg.trainer.rollout_data_dir:
+        from rlhf.data.rollouts import write_round_rollouts
+
+        write_round_rollouts(cfg.trainer.rollout_data_dir, scored, round_, rank)
 
 
 def pick_device(cfg: PPOConfig) -> torch.device:

@@ -60,7 +60,8 @@ class Run:
             self.state = ckpt.restore(self.trainer, resume)
             log.info("resumed from %s at round %d (global step %d, kl_coef %.5g)", resume, self.state.round,
                      self.state.global_step, self.state.kl_coef)
-        self.engine = self._make_engine(policy_dir)
+        self._policy_dir, self._engine = policy_dir, None  # the engine is built on first use (`engine`)
+        self.offline = P.offline_table(cfg, self.tokenizer)  # the stored rollouts, or None (online)
         self.reward_model = stages.load_reward_model(cfg, self.device)
         self.sink = self._make_sink()
         from rlhf.profiling import StepProfiler
@@ -68,6 +69,14 @@ class Run:
         self.profiler = StepProfiler(cfg.trainer.profile_steps, self.out, self.device, self.rank)
 
     # -- set-up helpers ------------------------------------------------------------------
+    @property
+    def engine(self):
+        """The rollout engine, built when first asked for: offline training without
+        validation never builds one."""
+        if self._engine is None:
+            self._engine = self._make_engine(self._policy_dir)
+        return self._engine
+
     def _make_engine(self, policy_dir: str):
         from rlhf.rollout import make_engine
 
@@ -102,11 +111,17 @@ class Run:
         seed = P.rollout_seed(cfg, self.state.round, self.rank)
         timer["timing_s/gen"] = _lap(t)
         t = time.perf_counter()
-        rollouts = stages.rollout(self.engine, self.tokenizer, prompts, cfg, seed=seed)
-        timer["timing_s/gen"] += _lap(t)
-        t = time.perf_counter()
-        scored = stages.score(rollouts, cfg, self.reward_model)
-        timer["timing_s/reward"] = _lap(t)
+        if self.offline is not None:  # offline RLHF: the stored table stands in for generation
+            rollouts, scored = P.offline_round(self.offline, cfg, self.state.round, self.rank, self.world,
+                                               self.reward_model)
+            timer["timing_s/reward"] = _lap(t)
+        else:
+            rollouts = stages.rollout(self.engine, self.tokenizer, prompts, cfg, seed=seed)
+            timer["timing_s/gen"] += _lap(t)
+            t = time.perf_counter()
+            scored = stages.score(rollouts, cfg, self.reward_model)
+            timer["timing_s/reward"] = _lap(t)
+        P.store_rollouts(cfg, scored, self.state.round + 1, self.rank)
         t = time.perf_counter()
         local = self._update_share(scored)
         torch.manual_seed(P.update_seed(cfg, self.state.round, self.rank))
@@ -143,11 +158,14 @@ class Run:
             ckpt.prune(self.out, self.cfg.trainer.max_ckpt_to_keep)
         D.barrier()
         if self.cfg.rollout.name == "vllm":  # the HF engines share the trainer's module
-            self.engine.update_weights(str(final / "actor"))
+            self._policy_dir = str(final / "actor")
+            if self._engine is not None:
+                self._engine.update_weights(self._policy_dir)
         return final
 
     def close(self) -> None:
-        self.engine.close()
+        if self._engine is not None:
+            self._engine.close()
         self.sink.close()
 
 

@@ -181,3 +181,34 @@ def test_offline_rounds_walk_the_table_in_blocks(stored):
     cfg = load_config(None, TINY + ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4"])
     table = pd.concat([stored["table"]] * 2, ignore_index=True).assign(row=range(32))
     assert [round_block(table, cfg, r)["row"].iloc[0] for r in range(5)] == [0, 8, 16, 24, 0]
+
+
+def test_offline_flyte_workflow_matches_the_in_process_driver(tmp_path, stored, no_engine, monkeypatch):
+    """`ppo_offline` (flytekit local execution): the stored table replaces rollout and score,
+    no engine is built, and its round is the in-process driver's round on the same table."""
+    from rlhf.train import train
+    from workflows.ppo import ppo_offline
+
+    monkeypatch.setenv("FLYTE_LOCAL_CACHE_ENABLED", "false")
+    extra = TINY + NO_VAL + [f"model.path={stored['base']}", "trainer.total_rounds=1", "rollout.temperature=1.0",
+                             "reward.format_score=0.1"]
+    summary = train(load_config(None, extra + [f"trainer.output_dir={tmp_path / 'loop'}",
+                                               f"data.rollout_files={stored['dir']}"]))
+    out = ppo_offline(cfg=load_config(None, extra + [f"trainer.output_dir={tmp_path / 'flyte'}"]),
+                      rollout_files=stored["dir"])
+    assert out.state.global_step == summary["global_steps"] == 1
+    assert summary["val_history"] == [] and out.state.val_history == []  # no validation anywhere
+    from rlhf.checkpoint import latest_checkpoint
+    from rlhf.state import RoundState
+
+    loop_state = RoundState.from_json((latest_checkpoint(tmp_path / "loop") / "state.json").read_text())
+    pd.testing.assert_frame_equal(pd.DataFrame(out.state.step_history), pd.DataFrame(loop_state.step_history),
+                                  check_like=True, rtol=1e-4, atol=1e-6)
+
+
+def test_offline_workflow_without_rollout_files_fails_before_any_work():
+    from rlhf.config import ConfigError
+    from workflows.ppo import ppo_offline
+
+    with pytest.raises(ConfigError, match="ppo_offline needs stored rollouts"):
+        ppo_offline(cfg=load_config(None, TINY))

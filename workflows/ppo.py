@@ -25,6 +25,7 @@ from sweeps.trial import TrialContext
 from tasks.base import CPU_SMALL, Prompts, gpu_resources
 from tasks.data import dataset_fingerprint, fit_prompts, prepare_dataset, prepare_policy, sample_prompts
 from tasks.evaluate import decide, evaluate
+from tasks.offline import offline_config, offline_rollout
 from tasks.rollout import rollout, score
 from tasks.run import check_config, finish, report, start_tracking
 from tasks.update import elastic_for, update_task
@@ -55,9 +56,12 @@ def ppo_round(cfg: PPOConfig, train: Prompts, val: Prompts, base_model: FlyteDir
     if state is None and P.should_validate_first(cfg, s):
         s = evaluate(cfg=cfg, policy=policy, val=val, state=s, run_id=run_id).state
     sampled = sample_prompts(cfg=cfg, train=train, state=s)
-    rolled = rollout(cfg=cfg, policy=policy, prompts=sampled.prompts, state=sampled.state).with_overrides(
-        **gpu_overrides(cfg.rollout.tensor_model_parallel_size))
-    scored = score(cfg=cfg, rollouts=rolled)
+    if cfg.data.rollout_files:  # offline RLHF: the stored table replaces rollout and score
+        scored = offline_rollout(cfg=cfg, policy=policy, state=sampled.state)
+    else:
+        rolled = rollout(cfg=cfg, policy=policy, prompts=sampled.prompts, state=sampled.state).with_overrides(
+            **gpu_overrides(cfg.rollout.tensor_model_parallel_size))
+        scored = score(cfg=cfg, rollouts=rolled)
     if cfg.reward.model_path:
         scored.with_overrides(**gpu_overrides(1))
     updated = update_task(cfg)(cfg=cfg, base_model=base_model, checkpoint=checkpoint, scored=scored,
@@ -131,3 +135,10 @@ def ppo_pipeline(cfg: PPOConfig = PPOConfig()) -> Pipeline:
     base = prepare_policy(model=checked.model, seed=checked.trainer.seed, sft=data.sft)
     trained = ppo_train(cfg=checked, train=data.train, val=data.val, base_model=base)
     return Pipeline(model=trained.model, metrics=trained.metrics, state=trained.state)
+
+
+@workflow
+def ppo_offline(cfg: PPOConfig = PPOConfig(), rollout_files: str = "") -> Pipeline:
+    """`ppo_pipeline` trained from stored rollouts (`rollout_files`, or `data.rollout_files`)
+    instead of generated ones: offline RLHF, no rollout engine in the rounds."""
+    return ppo_pipeline(cfg=offline_config(cfg=cfg, rollout_files=rollout_files))

@@ -70,9 +70,8 @@ def offline_round(table: pd.DataFrame, cfg: PPOConfig, round_: int, rank: int = 
 def offline_rollouts(cfg: PPOConfig, model_dir: str, round_: int, reward_model=None) -> pd.DataFrame:
     """The stateless driver's stage: round `round_`'s scored block, with the tokenizer saved
     in `model_dir` (the policy's)."""
-    from rlhf.models.load import load_tokenizer
+    from rlhf.models.load import load_options, load_tokenizer
 
-    tokenizer = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code,
-                               allow_network=cfg.model.allow_network)
+    tokenizer = load_tokenizer(model_dir, **load_options(cfg.model))
     table = load_rollouts(cfg, tokenizer)
     return offline_round(table, cfg, round_, reward_model=reward_model)[1]

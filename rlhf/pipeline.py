@@ -106,19 +106,19 @@ def build_trainer(cfg: PPOConfig, sizes: Sizes, base_dir: str, device: torch.dev
     """A `PPOTrainer`: actor and critic from checkpoint `resume` (its safetensors models) or,
     without one, from the base policy; the frozen reference is always the base policy.
     The optimizer state is not loaded here (`rlhf.checkpoint.restore` does that)."""
-    from rlhf.models.load import ValueModel, frozen_reference, load_causal_lm
+    from rlhf.models.load import ValueModel, frozen_reference, load_causal_lm, load_options
     from rlhf.trainer.ppo import PPOTrainer
 
     m = cfg.model
-    actor = load_causal_lm(str(resume / "actor") if resume else base_dir, dtype=m.dtype,
-                           trust_remote_code=m.trust_remote_code)
+    opts = load_options(m)
+    actor = load_causal_lm(str(resume / "actor") if resume else base_dir, dtype=m.dtype, **opts)
     critic = None
     if cfg.algorithm.adv_estimator == "gae":
         if resume:
-            critic = ValueModel.from_pretrained(str(resume / "critic"), dtype=m.dtype)
+            critic = ValueModel.from_pretrained(str(resume / "critic"), dtype=m.dtype, **opts)
         else:
-            critic = ValueModel.from_causal_lm_dir(m.critic_path or base_dir, dtype=m.dtype)
-    ref = frozen_reference(base_dir, dtype=m.dtype)
+            critic = ValueModel.from_causal_lm_dir(m.critic_path or base_dir, dtype=m.dtype, **opts)
+    ref = frozen_reference(base_dir, dtype=m.dtype, **opts)
     return PPOTrainer(cfg, sizes, actor, critic, ref, device)
 
 
@@ -218,12 +218,12 @@ def prepare_base_model(model: ModelConfig, seed: int, sft: pd.DataFrame, out_dir
 
 
 def _make_engine(cfg: PPOConfig, model_dir: str, device: torch.device):
-    from rlhf.models.load import load_tokenizer
+    from rlhf.models.load import load_options, load_tokenizer
     from rlhf.rollout import make_engine
 
-    tokenizer = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+    tokenizer = load_tokenizer(model_dir, **load_options(cfg.model))
     engine = make_engine(cfg.rollout.name, model_dir, tokenizer, cfg.rollout, seed=cfg.trainer.seed,
-                         device=str(device), dtype=cfg.model.dtype)
+                         device=str(device), dtype=cfg.model.dtype, **load_options(cfg.model))
     return engine, tokenizer
 
 
@@ -271,7 +271,7 @@ def update_from_checkpoint(cfg: PPOConfig, base_model_dir: str, checkpoint_dir: 
     Under torchrun every rank calls this with the same arguments: each trains on its shard
     of the rows and writes its optimizer shards; rank 0's `out_dir` is used by all ranks.
     """
-    from rlhf.models.load import load_tokenizer
+    from rlhf.models.load import load_options, load_tokenizer
 
     device = pick_device(cfg)
     rank, world = D.init_distributed(device)
@@ -279,7 +279,7 @@ def update_from_checkpoint(cfg: PPOConfig, base_model_dir: str, checkpoint_dir: 
     stages.check_sizes(cfg, world)
     out = Path(D.broadcast_object(str(out_dir)))
     resume = Path(checkpoint_dir) if checkpoint_dir else None
-    tokenizer = load_tokenizer(base_model_dir, trust_remote_code=cfg.model.trust_remote_code)
+    tokenizer = load_tokenizer(base_model_dir, **load_options(cfg.model))
     trainer = build_trainer(cfg, derive_sizes(cfg, world), base_model_dir, device, resume)
     if resume:
         ckpt.restore(trainer, resume, state)

@@ -374,14 +374,16 @@ def update(trainer, scored: pd.DataFrame, pad_id: int, cfg: PPOConfig) -> list[d
 
 def evaluate(engine: RolloutEngine, tokenizer, val: pd.DataFrame, cfg: PPOConfig, reward_model=None
              ) -> dict[str, float]:
-    """Greedy validation: flat `val-core/<source>/reward/mean@1` metrics and `val/accuracy`."""
+    """Validation (greedy unless `rollout.val_temperature` > 0, `data.val_batch_size` prompts per
+    generate call): flat `val-core/<source>/reward/mean@1` metrics and `val/accuracy`."""
     from rlhf.evaluate import evaluate_greedy
     from rlhf.faults import oom_as_recoverable, rollout_memory_settings
 
     with oom_as_recoverable("validation rollout", rollout_memory_settings(cfg)):
         return evaluate_greedy(engine, tokenizer, val, cfg.data.max_prompt_length, cfg.data.max_response_length,
                                cfg.reward, reward_model=reward_model, prompt_format=cfg.data.prompt_format,
-                               truncation=cfg.data.truncation)
+                               truncation=cfg.data.truncation, batch_size=cfg.data.val_batch_size,
+                               temperature=cfg.rollout.val_temperature, seed=cfg.trainer.seed)
 
 
 def val_score(metrics: dict[str, float]) -> float:

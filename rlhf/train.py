@@ -31,7 +31,7 @@ class Run:
     """Everything one driver process holds across rounds."""
 
     def __init__(self, cfg: PPOConfig):
-        from rlhf.models.load import load_tokenizer
+        from rlhf.models.load import load_options, load_tokenizer
 
         self.cfg = cfg
         self.t0 = time.perf_counter()
@@ -52,7 +52,7 @@ class Run:
         resume = ckpt.latest_checkpoint(self.out) if cfg.trainer.resume == "auto" else None
         self.resumed_from = str(resume) if resume else ""
         policy_dir = str(resume / "actor") if resume else self.base_dir
-        self.tokenizer = load_tokenizer(self.base_dir, trust_remote_code=cfg.model.trust_remote_code)
+        self.tokenizer = load_tokenizer(self.base_dir, **load_options(cfg.model))
         self.data = stages.fit_data(self.data, self.tokenizer, cfg)
         self.trainer = P.build_trainer(cfg, self.sizes, self.base_dir, self.device, resume)
         self.state = RoundState.initial(cfg)
@@ -78,11 +78,13 @@ class Run:
         return self._engine
 
     def _make_engine(self, policy_dir: str):
+        from rlhf.models.load import load_options
         from rlhf.rollout import make_engine
 
         model = self.trainer.actor.module if self.cfg.rollout.name in ("hf", "hf_fast") else None
         return make_engine(self.cfg.rollout.name, policy_dir, self.tokenizer, self.cfg.rollout, model=model,
-                           seed=self.cfg.trainer.seed, device=str(self.device), dtype=self.cfg.model.dtype)
+                           seed=self.cfg.trainer.seed, device=str(self.device), dtype=self.cfg.model.dtype,
+                           **load_options(self.cfg.model))
 
     def _make_sink(self):
         from rlhf.tracking import NullSink, make_sink

@@ -4,6 +4,10 @@ Names and semantics follow verl's `verl/trainer/ppo/core_algos.py`, so the two c
 compared line by line. Tensors are `(B, T)` = (batch, response_len) unless stated, and
 `response_mask` is 0/1 over response tokens (1 = the policy produced this token).
 
+More of the same kind lives beside it: `rlhf.algos_outcome` (RLOO, REINFORCE++-baseline,
+registered in ADV_ESTIMATORS) and `rlhf.algos_correction` (rollout correction: importance
+weights and rejection for off-policy samples).
+
 Where this file departs from verl:
 - Values at masked positions never reach a result: inputs are zeroed there before any
   arithmetic (so NaN or huge padding values are harmless, gradients included), and

@@ -68,6 +68,7 @@ def run_arm(overrides: list[str]) -> dict:
     return {"start_accuracy": summary["val_score_start"], "end_accuracy": summary["val_score_end"],
             "gain": summary["val_score_end"] - summary["val_score_start"], "rounds": summary["rounds"],
             "seconds": time.perf_counter() - t, "stop_reason": summary["stop_reason"],
+            "val_curve": [[v["round"], v["score"]] for v in summary["val_history"]],
             "correction_means": {k: sum(m[k] for m in steps if k in m) / len(steps) for k in keys}}
 
 

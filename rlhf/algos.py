@@ -4,6 +4,10 @@ Names and semantics follow verl's `verl/trainer/ppo/core_algos.py`, so the two c
 compared line by line. Tensors are `(B, T)` = (batch, response_len) unless stated, and
 `response_mask` is 0/1 over response tokens (1 = the policy produced this token).
 
+More of the same kind lives beside it: `rlhf.algos_outcome` (RLOO, REINFORCE++-baseline,
+registered in ADV_ESTIMATORS) and `rlhf.algos_correction` (rollout correction: importance
+weights and rejection for off-policy samples).
+
 Where this file departs from verl:
 - Values at masked positions never reach a result: inputs are zeroed there before any
   arithmetic (so NaN or huge padding values are harmless, gradients included), and
@@ -15,7 +19,7 @@ Where this file departs from verl:
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -316,11 +320,13 @@ def gae_estimator(
     gamma: float = 1.0,
     lam: float = 1.0,
     norm_by_std: bool = True,
+    whiten: Callable[[Tensor, Tensor], Tensor] = masked_whiten,
 ) -> tuple[Tensor, Tensor]:
-    """GAE with whitened advantages; needs `values` from the critic."""
+    """GAE with advantages whitened by `whiten` (over all ranks in the trainer); needs critic `values`."""
     if values is None:
         raise ValueError("advantage estimator 'gae' needs critic values; pass values=... or use 'grpo'")
-    return compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma, lam)
+    advantages, returns = compute_gae(token_level_rewards, values, response_mask, gamma, lam)
+    return _zero_masked(whiten(advantages, response_mask), response_mask), returns
 
 
 @ADV_ESTIMATORS.register("grpo")
@@ -333,6 +339,7 @@ def grpo_estimator(
     gamma: float = 1.0,
     lam: float = 1.0,
     norm_by_std: bool = True,
+    whiten: Callable[[Tensor, Tensor], Tensor] = masked_whiten,
 ) -> tuple[Tensor, Tensor]:
     """GRPO on each response's total reward (score plus any in-reward KL), as verl."""
     if group_ids is None:
@@ -351,8 +358,15 @@ def compute_advantages(
     gamma: float = 1.0,
     lam: float = 1.0,
     norm_by_std: bool = True,
+    whiten: Callable[[Tensor, Tensor], Tensor] = masked_whiten,
 ) -> tuple[Tensor, Tensor]:
-    """(advantages, returns), each (B, T), from the estimator named `adv_estimator`."""
+    """(advantages, returns), each (B, T), from the estimator named `adv_estimator`.
+
+    Every estimator reads `token_level_rewards` (score minus any in-reward KL), so the KL
+    penalty reaches the advantages whichever estimator is chosen. `whiten(x, mask)` is the
+    batch whitening of the estimators that whiten (gae, reinforce_plus_plus_baseline); the
+    trainer passes one that reduces over all ranks.
+    """
     return ADV_ESTIMATORS.get(adv_estimator)(
         token_level_rewards,
         response_mask,
@@ -361,6 +375,7 @@ def compute_advantages(
         gamma=gamma,
         lam=lam,
         norm_by_std=norm_by_std,
+        whiten=whiten,
     )
 
 
@@ -420,6 +435,7 @@ def policy_loss(
     batch_num_tokens: Optional[float] = None,
     global_batch_size: Optional[float] = None,
     loss_scale_factor: Optional[float] = None,
+    rollout_is_weights: Optional[Tensor] = None,
 ) -> tuple[Tensor, dict]:
     """Clipped PPO surrogate (Schulman et al. 2017, arXiv:1707.06347) with dual clip for
     negative advantages (Ye et al. 2019, arXiv:1912.09729).
@@ -432,6 +448,8 @@ def policy_loss(
       pg_clipfrac: fraction of valid tokens where the clipped term is the larger one;
       pg_clipfrac_lower: fraction where the dual clip (A < 0, ratio > clip_ratio_c) binds;
       ppo_kl: mean of old_logprob - logprob (k1 estimate of KL(old || new)).
+    `rollout_is_weights` (B, T), detached, multiply the per-token loss before aggregation
+    (rollout correction, `rlhf.algos_correction`), as verl does.
     """
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c is the dual-clip bound and must be > 1, got {clip_ratio_c}")
@@ -445,6 +463,8 @@ def policy_loss(
     pg_losses3 = -adv * clip_ratio_c
     clip_pg_losses2 = torch.minimum(pg_losses3, clip_pg_losses1)
     pg_losses = torch.where(adv < 0, clip_pg_losses2, clip_pg_losses1)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * _zero_masked(rollout_is_weights.detach(), valid)
     loss = agg_loss(
         pg_losses,
         valid,
@@ -560,3 +580,8 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
     """
     values, returns = _float(values), _float(returns)
     return 1.0 - masked_var(returns - values, mask) / (masked_var(returns, mask) + 1e-5)
+
+
+# The outcome estimators of `rlhf.algos_outcome` (rloo, reinforce_plus_plus_baseline) register
+# themselves in ADV_ESTIMATORS; importing it here makes the registry complete on `import algos`.
+from rlhf import algos_outcome  # noqa: E402,F401

@@ -386,3 +386,4 @@ def apply_state(trainer, state) -> None:
     """Carry the round state's KL coefficient and skipped-step count into the trainer."""
     trainer.kl_ctrl.value = state.kl_coef
     trainer.skipped_steps = state.skipped_steps
+    trainer.global_step = state.global_step

@@ -53,9 +53,10 @@ class SyntheticDataConfig:
 class DataConfig:
     train_files: str = ""  # parquet file/dir/URI (verl layout); "" => synthetic arithmetic
     val_files: str = ""  # validation parquet (same layout); required with train_files
+    rollout_files: str = ""  # stored rollout table(s) (parquet file/dir/URI) read in place of generation: offline RLHF
     prompt_format: str = "text"  # "text" | "chat" (chat lists rendered with the template)
     train_batch_size: int = 64  # prompts per PPO step
-    val_batch_size: int = 0  # 0 => whole val set in one pass
+    val_batch_size: int = 0  # prompts per validation generate call; 0 => the whole val set in one call
     max_prompt_length: int = 32  # prompt tokens; longer prompts are filtered, truncated or refused
     max_response_length: int = 16  # new tokens per response
     filter_overlong_prompts: bool = True  # drop prompts longer than max_prompt_length before sampling
@@ -133,6 +134,8 @@ class ActorConfig:
     use_kl_loss: bool = False  # KL to the reference as a loss term (GRPO style)
     kl_loss_coef: float = 0.001  # weight of the KL loss term
     kl_loss_type: str = "low_var_kl"  # KL estimator for the loss term
+    shuffle: bool = False  # reshuffle each step's rows into new mini-batches every PPO epoch (verl's actor.shuffle)
+    tis_imp_ratio_cap: float = -1.0  # > 0: token-level truncated IS at this cap (verl's older TIS key); -1 => off
 
 
 @dataclass(frozen=True)
@@ -158,7 +161,7 @@ class RolloutConfig:
     max_num_batched_tokens: int = 8192  # vLLM scheduler token budget
     generate_batch_size: int = 256  # sequences per HF generate call
     log_prob_micro_batch_size_per_gpu: int = 0  # responses per forward when recomputing behaviour log-probs; 0 => actor.ppo_micro_batch_size_per_gpu
-    val_temperature: float = 0.0  # 0 => greedy validation
+    val_temperature: float = 0.0  # validation sampling temperature; 0 => greedy
 
 
 @dataclass(frozen=True)
@@ -177,14 +180,34 @@ class KLCtrlConfig:
 
 
 @dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    """Importance weights and rejection for samples whose log-probs (rollout engine, stored
+    table) differ from the trainer's (`rlhf.algos_correction`; verl's names). On by default
+    as token-level truncated IS at 2.0 (verl's `decoupled_token_is`, TRL's default-on vLLM
+    correction): when the engines agree the weights are 1 and nothing changes; when they
+    do not (bf16 or vLLM kernels, stale or offline data) the bias is corrected."""
+
+    preset: str = ""  # a named setting (verl's presets), e.g. decoupled_seq_is_rs; "" => the fields below
+    rollout_is: Optional[str] = "token"  # IS weights: "token" | "sequence" | null (off)
+    rollout_is_threshold: float = 2.0  # upper cap of the IS weights (truncated IS)
+    rollout_is_batch_normalize: bool = False  # divide the weights by their batch mean
+    rollout_rs: Optional[str] = None  # rejection: "token" | "sequence" | "geometric" | null (off)
+    rollout_rs_threshold: Optional[float] = None  # rejection upper bound; null => rollout_is_threshold
+    rollout_rs_threshold_lower: Optional[float] = None  # rejection lower bound; null => 1 / upper
+    rollout_token_veto_threshold: Optional[float] = None  # drop a response with any token ratio below this
+    bypass_mode: bool = False  # PPO ratio anchored at the rollout log-probs (no trainer recompute, no IS)
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
-    adv_estimator: str = "gae"  # "gae" | "grpo"
+    adv_estimator: str = "gae"  # "gae" | "grpo" | "rloo" | "reinforce_plus_plus_baseline"
     gamma: float = 1.0  # discount
     lam: float = 1.0  # GAE lambda
     norm_adv_by_std_in_grpo: bool = True  # divide GRPO advantages by the group std
     use_kl_in_reward: bool = True  # subtract kl_coef * KL from the token rewards
     kl_penalty: str = "kl"  # "kl"/"k1" | "abs" | "mse"/"k2" | "low_var_kl"/"k3"
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass(frozen=True)
@@ -201,7 +224,9 @@ class TrainerConfig:
     total_rounds: int = 100  # rounds to run (fewer on early stop)
     total_epochs: int = 0  # > 0: passes over the train set; sets total_rounds once the train set's size is known
     steps_per_round: int = 1  # PPO steps per rollout buffer (1 => on-policy)
-    test_freq: int = 1  # evaluate every k rounds
+    test_freq: int = 1  # evaluate every k rounds; -1 => never (no validation, as verl)
+    critic_warmup: int = 0  # the first this many PPO steps update only the critic (verl's critic_warmup)
+    rollout_data_dir: str = ""  # if set, each round's scored rollouts go here as parquet (offline RLHF input)
     val_before_train: bool = True  # evaluate the starting policy
     logger: list[str] = field(default_factory=lambda: ["console"])  # sinks: console, mlflow, wandb, none
     project_name: str = "rlhf-ppo"  # MLflow experiment
@@ -281,7 +306,9 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16"),
     "model.sft.lr_schedule": ("constant", "cosine"),
     "rollout.name": ("hf", "hf_fast", "vllm"),
-    "algorithm.adv_estimator": ("gae", "grpo"),
+    "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus_baseline"),
+    "algorithm.rollout_correction.rollout_is": (None, "token", "sequence"),
+    "algorithm.rollout_correction.rollout_rs": (None, "token", "sequence", "geometric"),
     "algorithm.kl_penalty": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
     "actor.kl_loss_type": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
@@ -570,7 +597,8 @@ def validate(cfg: PPOConfig) -> None:
     _refuse_credentials(flat)
     for key, choices in _CHOICES.items():
         if flat[key] not in choices:
-            raise ConfigError(f"config key '{key}' is {flat[key]!r}; choose one of {', '.join(choices)}")
+            raise ConfigError(f"config key '{key}' is {flat[key]!r}; choose one of "
+                              f"{', '.join('null' if c is None else c for c in choices)}")
     for name in cfg.trainer.logger:
         if name not in _LOGGERS:
             raise ConfigError(f"trainer.logger entry {name!r} is unknown; choose from {', '.join(_LOGGERS)}")
@@ -578,7 +606,7 @@ def validate(cfg: PPOConfig) -> None:
         "data.train_batch_size", "data.max_prompt_length", "data.max_response_length",
         "actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size_per_gpu", "actor.ppo_epochs",
         "actor.ppo_max_token_len_per_gpu", "rollout.n", "trainer.total_rounds",
-        "trainer.steps_per_round", "trainer.test_freq", "trainer.n_gpus_per_node", "trainer.nnodes",
+        "trainer.steps_per_round", "trainer.n_gpus_per_node", "trainer.nnodes",
         "critic.ppo_micro_batch_size_per_gpu", "critic.ppo_epochs", "rollout.generate_batch_size",
         "trainer.rounds_per_segment",
     ]
@@ -604,11 +632,65 @@ def validate(cfg: PPOConfig) -> None:
     if cfg.trainer.save_freq == 0 or cfg.trainer.save_freq < -1:
         raise ConfigError(f"trainer.save_freq must be >= 1 (rounds between checkpoints) or -1 (only after the "
                           f"last round), got {cfg.trainer.save_freq}")
-    if cfg.algorithm.adv_estimator == "grpo" and cfg.rollout.n < 2:
-        raise ConfigError("algorithm.adv_estimator=grpo needs rollout.n >= 2 (a group per prompt)")
+    if cfg.algorithm.adv_estimator in ("grpo", "rloo") and cfg.rollout.n < 2:
+        raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs rollout.n >= 2 "
+                          "(a group per prompt)")
+    if cfg.trainer.test_freq <= 0 and cfg.trainer.test_freq != -1:
+        raise ConfigError(f"trainer.test_freq must be > 0, or -1 for no validation; got {cfg.trainer.test_freq}")
+    if cfg.trainer.critic_warmup < 0:
+        raise ConfigError(f"trainer.critic_warmup must be >= 0, got {cfg.trainer.critic_warmup}")
+    if cfg.data.val_batch_size < 0 or cfg.rollout.val_temperature < 0:
+        raise ConfigError("data.val_batch_size and rollout.val_temperature must be >= 0")
+    correction_settings(cfg)  # raises on a bad preset or conflicting keys
     from rlhf.config_ranges import check_ranges
 
     check_ranges(flat)
+
+
+
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")  # advantages from a prompt's group
+
+# verl's rollout-correction presets (`RolloutCorrectionConfig.<name>()`), decoupled mode unless
+# bypass; verl's pg_is / pg_rs (policy-gradient loss without clipping) are not offered here.
+ROLLOUT_CORRECTION_PRESETS: dict[str, dict[str, Any]] = {
+    "disabled": dict(rollout_is=None),  # mismatch metrics only
+    "decoupled_token_is": dict(rollout_is="token", rollout_is_threshold=2.0),
+    "decoupled_seq_is": dict(rollout_is="sequence", rollout_is_threshold=2.0),
+    "decoupled_seq_is_rs": dict(rollout_is="sequence", rollout_is_threshold=2.0, rollout_rs="sequence",
+                                rollout_rs_threshold=2.0, rollout_rs_threshold_lower=0.5),
+    "decoupled_geo_rs": dict(rollout_is=None, rollout_rs="geometric", rollout_rs_threshold=1.001,
+                             rollout_rs_threshold_lower=0.999, rollout_token_veto_threshold=1e-4),
+    "ppo_is_bypass": dict(rollout_is=None, bypass_mode=True),
+}
+
+
+def correction_settings(cfg: PPOConfig) -> RolloutCorrectionConfig:
+    """The rollout correction in effect: `algorithm.rollout_correction` with its `preset`
+    applied, or token-level TIS at `actor.tis_imp_ratio_cap` when that is set. A preset
+    or the cap together with changed fields raises (one source of truth per run)."""
+    rc = cfg.algorithm.rollout_correction
+    changed = {f.name for f in fields(rc) if f.name != "preset" and getattr(rc, f.name) != f.default}
+    cap = cfg.actor.tis_imp_ratio_cap
+    if cap != -1.0 and cap <= 0:
+        raise ConfigError(f"actor.tis_imp_ratio_cap must be > 0, or -1 for off; got {cap}")
+    if rc.preset:
+        if rc.preset not in ROLLOUT_CORRECTION_PRESETS:
+            raise ConfigError(f"algorithm.rollout_correction.preset {rc.preset!r} is unknown; choose one of "
+                              f"{', '.join(ROLLOUT_CORRECTION_PRESETS)}")
+        if changed or cap > 0:
+            raise ConfigError(f"algorithm.rollout_correction.preset={rc.preset} sets the correction; remove "
+                              f"{', '.join(sorted(changed)) or 'actor.tis_imp_ratio_cap'} or the preset")
+        return dataclasses.replace(RolloutCorrectionConfig(), **ROLLOUT_CORRECTION_PRESETS[rc.preset])
+    if cap > 0:
+        if changed:
+            raise ConfigError(f"actor.tis_imp_ratio_cap is verl's older spelling of rollout_is=token with "
+                              f"rollout_is_threshold=cap; remove it or algorithm.rollout_correction."
+                              f"{', algorithm.rollout_correction.'.join(sorted(changed))}")
+        return dataclasses.replace(rc, rollout_is="token", rollout_is_threshold=cap)
+    if rc.rollout_is_threshold <= 0:
+        raise ConfigError(f"algorithm.rollout_correction.rollout_is_threshold must be > 0, got "
+                          f"{rc.rollout_is_threshold}")
+    return rc
 
 
 def _refuse_credentials(flat: dict[str, Any]) -> None:

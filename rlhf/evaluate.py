@@ -1,4 +1,6 @@
-"""Greedy validation: one response per prompt at temperature 0, scored by the reward rules.
+"""Validation: one response per prompt, greedy (`rollout.val_temperature=0`, the default) or
+sampled at that temperature, `data.val_batch_size` prompts per generate call (0: all), scored
+by the reward rules.
 
 Metrics (verl's names): `val-core/<data_source>/reward/mean@1` per source, and overall
 `val/reward/mean`, `val/accuracy` (share of responses given the full `reward.score`),
@@ -14,11 +16,21 @@ from rlhf.config import RewardConfig
 from rlhf.rollout.base import RolloutEngine, SamplingParams
 
 
-def greedy_texts(engine: RolloutEngine, prompt_ids: list[list[int]], max_response_length: int
+def greedy_texts(engine: RolloutEngine, prompt_ids: list[list[int]], max_response_length: int,
+                 batch_size: int = 0, temperature: float = 0.0, seed: int | None = None
                  ) -> tuple[list[str], list[int]]:
-    """(response texts, response lengths in tokens), one greedy response per prompt, in order."""
-    batch = engine.generate(prompt_ids, SamplingParams(n=1, temperature=0.0, max_tokens=max_response_length))
-    return list(batch.response_text), [len(r) for r in batch.response_ids]
+    """(response texts, response lengths in tokens), one response per prompt, in order: greedy at
+    `temperature` 0, else sampled (seeded); `batch_size` prompts per generate call (0: all)."""
+    step = batch_size if batch_size > 0 else max(1, len(prompt_ids))
+    params = SamplingParams(n=1, temperature=temperature, max_tokens=max_response_length,
+                            seed=seed if temperature > 0 else None)
+    texts: list[str] = []
+    lengths: list[int] = []
+    for i in range(0, len(prompt_ids), step):
+        batch = engine.generate(prompt_ids[i:i + step], params)
+        texts += list(batch.response_text)
+        lengths += [len(r) for r in batch.response_ids]
+    return texts, lengths
 
 
 def score_metrics(data_sources: list[str], scores: list[float], lengths: list[int], full_score: float
@@ -36,11 +48,13 @@ def score_metrics(data_sources: list[str], scores: list[float], lengths: list[in
 
 def evaluate_greedy(engine: RolloutEngine, tokenizer, df: pd.DataFrame, max_prompt_length: int,
                     max_response_length: int, reward_cfg: RewardConfig, reward_model=None,
-                    prompt_format: str = "text", truncation: str = "error", samples: list | None = None,
+                    prompt_format: str = "text", truncation: str = "error", batch_size: int = 0,
+                    temperature: float = 0.0, seed: int | None = None, samples: list | None = None,
                     n_samples: int = 8) -> dict[str, float]:
-    """Greedy-decode every prompt of `df` (PromptSchema columns) and score it; returns flat metrics.
-    With a `samples` list, its first `n_samples` rows are appended to it as dicts (data_source,
-    prompt, response, ground_truth, score) for the run's generations table."""
+    """Decode every prompt of `df` (PromptSchema columns) once (greedy unless `temperature` > 0,
+    `batch_size` prompts at a time) and score it; returns flat metrics. With a `samples` list,
+    its first `n_samples` rows are appended to it as dicts (data_source, prompt, response,
+    ground_truth, score) for the run's generations table."""
     from rlhf.data.sampling import tokenize_prompts
     from rlhf.rewards import compute_scores
 
@@ -48,7 +62,7 @@ def evaluate_greedy(engine: RolloutEngine, tokenizer, df: pd.DataFrame, max_prom
         raise ValueError("evaluate_greedy: the validation frame is empty; check data.val_files")
     prompt_ids = tokenize_prompts(df["prompt"].tolist(), tokenizer, max_prompt_length, truncation=truncation,
                                   prompt_format=prompt_format)
-    texts, lengths = greedy_texts(engine, prompt_ids, max_response_length)
+    texts, lengths = greedy_texts(engine, prompt_ids, max_response_length, batch_size, temperature, seed)
     scores = compute_scores(df["data_source"].tolist(), texts, df["ground_truth"].tolist(),
                             df["extra_info"].tolist(), df["reward_style"].tolist(), reward_cfg,
                             reward_model=reward_model, prompts=df["prompt"].tolist())

@@ -50,19 +50,48 @@ def update_seed(cfg: PPOConfig, round_: int, rank: int = 0) -> int:
 
 
 def should_evaluate(cfg: PPOConfig, rounds_done: int) -> bool:
-    """Validate after round `rounds_done` (1-based): every `test_freq` rounds and after the last."""
+    """Validate after round `rounds_done` (1-based): every `test_freq` rounds and after the last;
+    never with `test_freq=-1`."""
+    if cfg.trainer.test_freq <= 0:
+        return False
     return rounds_done % cfg.trainer.test_freq == 0 or rounds_done == cfg.trainer.total_rounds
 
 
 def should_validate_first(cfg: PPOConfig, state: RoundState) -> bool:
     """Validate the starting policy before any update (`trainer.val_before_train`)."""
-    return cfg.trainer.val_before_train and state.round == 0 and state.val_start < 0
+    return cfg.trainer.val_before_train and cfg.trainer.test_freq > 0 and state.round == 0 and state.val_start < 0
 
 
 def record_update(state: RoundState, steps: list[dict[str, float]], kl_coef: float) -> RoundState:
     """The state after a round's update: step history, global step, KL coefficient, round + 1."""
     new = record_steps(state, steps)
     return replace(new, kl_coef=float(kl_coef), round=state.round + 1)
+
+
+def offline_table(cfg: PPOConfig, tokenizer) -> Optional[pd.DataFrame]:
+    """The stored rollouts of `data.rollout_files` (offline RLHF, `rlhf.offline`), or None."""
+    if not cfg.data.rollout_files:
+        return None
+    from rlhf.offline import load_rollouts
+
+    return load_rollouts(cfg, tokenizer)
+
+
+def offline_round(table: pd.DataFrame, cfg: PPOConfig, round_: int, rank: int, world: int, reward_model=None
+                  ) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(rollouts, scored) of round `round_` (rounds done before it) from the stored table."""
+    from rlhf.offline import offline_round as _round
+
+    return _round(table, cfg, round_, rank, world, reward_model)
+
+
+def store_rollouts(cfg: PPOConfig, scored: pd.DataFrame, round_: int, rank: int = 0) -> None:
+    """Write round `round_`'s (1-based) scored rollouts under `trainer.rollout_data_dir`, if set:
+    the input format of offline RLHF (`data.rollout_files`)."""
+    if cfg.trainer.rollout_data_dir:
+        from rlhf.data.rollouts import write_round_rollouts
+
+        write_round_rollouts(cfg.trainer.rollout_data_dir, scored, round_, rank)
 
 
 def pick_device(cfg: PPOConfig) -> torch.device:
@@ -78,19 +107,19 @@ def build_trainer(cfg: PPOConfig, sizes: Sizes, base_dir: str, device: torch.dev
     """A `PPOTrainer`: actor and critic from checkpoint `resume` (its safetensors models) or,
     without one, from the base policy; the frozen reference is always the base policy.
     The optimizer state is not loaded here (`rlhf.checkpoint.restore` does that)."""
-    from rlhf.models.load import ValueModel, frozen_reference, load_causal_lm
+    from rlhf.models.load import ValueModel, frozen_reference, load_causal_lm, load_options
     from rlhf.trainer.ppo import PPOTrainer
 
     m = cfg.model
-    actor = load_causal_lm(str(resume / "actor") if resume else base_dir, dtype=m.dtype,
-                           trust_remote_code=m.trust_remote_code)
+    opts = load_options(m)
+    actor = load_causal_lm(str(resume / "actor") if resume else base_dir, dtype=m.dtype, **opts)
     critic = None
     if cfg.algorithm.adv_estimator == "gae":
         if resume:
-            critic = ValueModel.from_pretrained(str(resume / "critic"), dtype=m.dtype)
+            critic = ValueModel.from_pretrained(str(resume / "critic"), dtype=m.dtype, **opts)
         else:
-            critic = ValueModel.from_causal_lm_dir(critic_source(cfg, base_dir), dtype=m.dtype)
-    ref = frozen_reference(base_dir, dtype=m.dtype)
+            critic = ValueModel.from_causal_lm_dir(critic_source(cfg, base_dir), dtype=m.dtype, **opts)
+    ref = frozen_reference(base_dir, dtype=m.dtype, **opts)
     return PPOTrainer(cfg, sizes, actor, critic, ref, device)
 
 
@@ -205,12 +234,12 @@ def prepare_base_model(model: ModelConfig, seed: int, sft: pd.DataFrame, out_dir
 
 
 def _make_engine(cfg: PPOConfig, model_dir: str, device: torch.device):
-    from rlhf.models.load import load_tokenizer
+    from rlhf.models.load import load_options, load_tokenizer
     from rlhf.rollout import make_engine
 
-    tokenizer = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+    tokenizer = load_tokenizer(model_dir, **load_options(cfg.model))
     engine = make_engine(cfg.rollout.name, model_dir, tokenizer, cfg.rollout, seed=cfg.trainer.seed,
-                         device=str(device), dtype=cfg.model.dtype)
+                         device=str(device), dtype=cfg.model.dtype, **load_options(cfg.model))
     return engine, tokenizer
 
 
@@ -304,7 +333,7 @@ def _load_trainer(cfg: PPOConfig, base_model_dir: str, checkpoint_dir: Optional[
     """The trainer at the start of the round: checkpoint `checkpoint_dir` verified (by rank 0,
     which tells the others), its models and engines built, its optimizer state restored (or
     the base policy's, fresh)."""
-    from rlhf.models.load import load_tokenizer
+    from rlhf.models.load import load_options, load_tokenizer
 
     resume = Path(checkpoint_dir) if checkpoint_dir else None
     t = time.perf_counter()
@@ -314,7 +343,7 @@ def _load_trainer(cfg: PPOConfig, base_model_dir: str, checkpoint_dir: Optional[
             raise ckpt.corrupt(resume, reason)
     timing["timing_s/verify_checkpoint"] = time.perf_counter() - t
     t = time.perf_counter()
-    tokenizer = load_tokenizer(base_model_dir, trust_remote_code=cfg.model.trust_remote_code)
+    tokenizer = load_tokenizer(base_model_dir, **load_options(cfg.model))
     trainer = build_trainer(cfg, derive_sizes(cfg, world), base_model_dir, device, resume)
     timing["timing_s/build_trainer"] = time.perf_counter() - t
     t = time.perf_counter()

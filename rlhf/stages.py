@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from rlhf.config import PPOConfig, derive_sizes
+from rlhf.config import GROUP_ESTIMATORS, PPOConfig, derive_sizes
 from rlhf.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
 from rlhf.state import RoundState
 from rlhf.trainer.batch import PPOBatch, collate
@@ -143,7 +143,7 @@ def shard_for_update(df: pd.DataFrame, cfg: PPOConfig, rank: int, world: int,
         return shard(df, steps, rank, world)
     if lengths is None:
         lengths = token_lengths(df)
-    groups = df["group_id"].tolist() if cfg.algorithm.adv_estimator == "grpo" else None
+    groups = df["group_id"].tolist() if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS else None
     parts, why = balanced_rows(lengths, steps, world, derive_sizes(cfg, world).mini_batch_responses, groups)
     if parts is None:
         if why not in _FALLBACK_LOGGED:
@@ -378,15 +378,17 @@ def update(trainer, scored: pd.DataFrame, pad_id: int, cfg: PPOConfig) -> list[d
 
 def evaluate(engine: RolloutEngine, tokenizer, val: pd.DataFrame, cfg: PPOConfig, reward_model=None,
              samples: list | None = None) -> dict[str, float]:
-    """Greedy validation: flat `val-core/<source>/reward/mean@1` metrics and `val/accuracy`
-    (with a `samples` list, a few prompts, responses and scores are appended to it)."""
+    """Validation (greedy unless `rollout.val_temperature` > 0, `data.val_batch_size` prompts per
+    generate call): flat `val-core/<source>/reward/mean@1` metrics and `val/accuracy` (with a
+    `samples` list, a few prompts, responses and scores are appended to it)."""
     from rlhf.evaluate import evaluate_greedy
     from rlhf.faults import oom_as_recoverable, rollout_memory_settings
 
     with oom_as_recoverable("validation rollout", rollout_memory_settings(cfg)):
         return evaluate_greedy(engine, tokenizer, val, cfg.data.max_prompt_length, cfg.data.max_response_length,
                                cfg.reward, reward_model=reward_model, prompt_format=cfg.data.prompt_format,
-                               truncation=cfg.data.truncation, samples=samples)
+                               truncation=cfg.data.truncation, batch_size=cfg.data.val_batch_size,
+                               temperature=cfg.rollout.val_temperature, seed=cfg.trainer.seed, samples=samples)
 
 
 def val_score(metrics: dict[str, float]) -> float:
@@ -396,7 +398,7 @@ def val_score(metrics: dict[str, float]) -> float:
 
 def check_sizes(cfg: PPOConfig, world: int) -> None:
     sizes = derive_sizes(cfg, world)
-    if cfg.algorithm.adv_estimator == "grpo" and cfg.data.train_batch_size % world:
-        raise ValueError(f"GRPO keeps each prompt's group on one rank: data.train_batch_size "
+    if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and cfg.data.train_batch_size % world:
+        raise ValueError(f"{cfg.algorithm.adv_estimator} keeps each prompt's group on one rank: data.train_batch_size "
                          f"({cfg.data.train_batch_size}) must be divisible by the {world} ranks")
     del sizes

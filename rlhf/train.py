@@ -83,12 +83,12 @@ class Run:
                fit: bool) -> None:
         """Tokenizer, trainer (from `resume` or the base policy), engine, reward model; the
         state is `state`, else the one saved in `resume`, else the initial one."""
-        from rlhf.models.load import load_tokenizer
+        from rlhf.models.load import load_options, load_tokenizer
 
         cfg = self.cfg
         self.base_dir = base_dir
         self.resumed_from = str(resume) if resume else ""
-        self.tokenizer = load_tokenizer(base_dir, trust_remote_code=cfg.model.trust_remote_code)
+        self.tokenizer = load_tokenizer(base_dir, **load_options(cfg.model))
         self.data = stages.fit_data(data, self.tokenizer, cfg) if fit else data
         self.cfg = cfg = resolve_epochs(cfg, len(self.data.train))  # trainer.total_epochs -> total_rounds
         from rlhf.data_checks import check_fit
@@ -102,7 +102,9 @@ class Run:
                      self.state.global_step, self.state.kl_coef)
         else:
             ckpt.apply_state(self.trainer, self.state)
-        self.engine = self._make_engine(str(resume / "actor") if resume else base_dir)
+        # The engine is built on first use (`engine`): offline training without validation never builds one.
+        self._policy_dir, self._engine = (str(resume / "actor") if resume else base_dir), None
+        self.offline = P.offline_table(cfg, self.tokenizer)  # the stored rollouts, or None (online)
         self.reward_model = stages.load_reward_model(cfg, self.device)
         self.last_step: dict[str, float] = {}  # the last PPO step's full metrics (for the round line)
         from rlhf.profiling import StepProfiler
@@ -119,12 +121,22 @@ class Run:
         found = D.broadcast_object(str(found) if found else "")
         return Path(found) if found else None
 
+    @property
+    def engine(self):
+        """The rollout engine, built when first asked for: offline training without
+        validation never builds one."""
+        if self._engine is None:
+            self._engine = self._make_engine(self._policy_dir)
+        return self._engine
+
     def _make_engine(self, policy_dir: str):
+        from rlhf.models.load import load_options
         from rlhf.rollout import make_engine
 
         model = self.trainer.actor.module if self.cfg.rollout.name in ("hf", "hf_fast") else None
         return make_engine(self.cfg.rollout.name, policy_dir, self.tokenizer, self.cfg.rollout, model=model,
-                           seed=self.cfg.trainer.seed, device=str(self.device), dtype=self.cfg.model.dtype)
+                           seed=self.cfg.trainer.seed, device=str(self.device), dtype=self.cfg.model.dtype,
+                           **load_options(self.cfg.model))
 
     def _make_sink(self):
         from rlhf.tracking import NullSink, make_sink
@@ -162,11 +174,17 @@ class Run:
         seed = P.rollout_seed(cfg, self.state.round, self.rank)
         timer["timing_s/gen"] = _lap(t)
         t = time.perf_counter()
-        rollouts = stages.rollout(self.engine, self.tokenizer, prompts, cfg, seed=seed)
-        timer["timing_s/gen"] += _lap(t)
-        t = time.perf_counter()
-        scored = stages.score(rollouts, cfg, self.reward_model)
-        timer["timing_s/reward"] = _lap(t)
+        if self.offline is not None:  # offline RLHF: the stored table stands in for generation
+            rollouts, scored = P.offline_round(self.offline, cfg, self.state.round, self.rank, self.world,
+                                               self.reward_model)
+            timer["timing_s/reward"] = _lap(t)
+        else:
+            rollouts = stages.rollout(self.engine, self.tokenizer, prompts, cfg, seed=seed)
+            timer["timing_s/gen"] += _lap(t)
+            t = time.perf_counter()
+            scored = stages.score(rollouts, cfg, self.reward_model)
+            timer["timing_s/reward"] = _lap(t)
+        P.store_rollouts(cfg, scored, self.state.round + 1, self.rank)
         t = time.perf_counter()
         local = self._update_share(scored)
         torch.manual_seed(P.update_seed(cfg, self.state.round, self.rank))
@@ -255,7 +273,9 @@ class Run:
         if self.cfg.rollout.name != "vllm":
             return
         policy = ckpt.save_policy(self.out / "rollout_policy", self.trainer.actor, self.tokenizer)
-        self.engine.update_weights(str(policy / "actor"))
+        self._policy_dir = str(policy / "actor")
+        if self._engine is not None:
+            self._engine.update_weights(self._policy_dir)
 
     def flush(self) -> float:
         """Wait for the checkpoint being written; seconds waited."""
@@ -274,7 +294,8 @@ class Run:
                 raise
             log.exception("the last checkpoint was not written")
         finally:
-            self.engine.close()
+            if self._engine is not None:
+                self._engine.close()
             if close_sink:
                 self.sink.close(status)
 

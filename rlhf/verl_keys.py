@@ -30,7 +30,8 @@ VERL_KEYS: dict[str, str] = {
     **{f"{_AR}.actor.{k}": f"actor.{k}" for k in (
         "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz", "ppo_max_token_len_per_gpu",
         "ppo_epochs", "clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "entropy_coeff",
-        "grad_clip", "loss_agg_mode", "use_kl_loss", "kl_loss_coef", "kl_loss_type")},
+        "grad_clip", "loss_agg_mode", "use_kl_loss", "kl_loss_coef", "kl_loss_type", "shuffle",
+        "tis_imp_ratio_cap")},
     **{f"{_AR}.rollout.{k}": f"rollout.{k}" for k in (
         "name", "n", "temperature", "top_p", "top_k", "tensor_model_parallel_size", "gpu_memory_utilization",
         "max_num_batched_tokens", "log_prob_micro_batch_size_per_gpu")},
@@ -53,7 +54,6 @@ _SECTIONS_ONLY_IN_VERL = (f"{_AR}.", "reward_model.", "custom_reward_function.",
 REFUSED: dict[str, str] = {
     "trainer.total_training_steps": "this project counts rounds: set trainer.total_rounds (steps = rounds x "
                                     "trainer.steps_per_round) or trainer.total_epochs",
-    "trainer.critic_warmup": "the critic and the actor update in the same step from the first round on",
     "trainer.resume_from_path": "resume reads the latest checkpoint under trainer.output_dir "
                                 "(trainer.resume=auto); point trainer.output_dir at the run to continue",
     "trainer.default_hdfs_dir": "checkpoints are written under trainer.output_dir (a Flyte run moves them as "

@@ -10,6 +10,7 @@ from schemas.prompts import (
     dump_json_column,
     load_json_column,
 )
+from schemas.rollouts import StoredRolloutSchema
 
 __all__ = [
     "DATAFRAME_CHECK_COLUMNS",
@@ -18,6 +19,7 @@ __all__ = [
     "PromptSchema",
     "RolloutSchema",
     "ScoredRolloutSchema",
+    "StoredRolloutSchema",
     "dump_json_column",
     "load_json_column",
 ]

@@ -622,7 +622,7 @@ def test_masked_positions_get_no_gradient(name):
 
 def test_registries_hold_the_documented_names():
     assert set(KL_ESTIMATORS.names()) == {"kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"}
-    assert set(ADV_ESTIMATORS.names()) == {"gae", "grpo"}
+    assert set(ADV_ESTIMATORS.names()) == {"gae", "grpo", "rloo", "reinforce_plus_plus_baseline"}
     assert KL_ESTIMATORS.get("kl") is KL_ESTIMATORS.get("k1")
     assert KL_ESTIMATORS.get("low_var_kl") is KL_ESTIMATORS.get("k3")
 
@@ -639,5 +639,5 @@ def test_unknown_names_list_known_ones():
     lp = t([[0.0]])
     with pytest.raises(KeyError, match="abs, k1, k2, k3, kl, low_var_kl, mse"):
         kl_penalty(lp, lp, "k4")
-    with pytest.raises(KeyError, match="gae, grpo"):
-        compute_advantages("rloo", lp, torch.ones(1, 1))
+    with pytest.raises(KeyError, match="gae, grpo, reinforce_plus_plus_baseline, rloo"):
+        compute_advantages("vtrace", lp, torch.ones(1, 1))

@@ -33,6 +33,7 @@ from tasks.base import CPU_SMALL, Prompts, gpu_resources
 from tasks.data import (dataset_fingerprint, fit_prompts, prepare_dataset, prepare_policy, rounds_from_epochs,
                         sample_prompts)
 from tasks.evaluate import decide, evaluate, generation_gpus
+from tasks.offline import offline_config, offline_rollout
 from tasks.rollout import rollout, score_task
 from tasks.run import check_config, fail_tracking, report, resume_point, start_tracking
 from tasks.segment import segment_task
@@ -131,9 +132,12 @@ def ppo_round(cfg: PPOConfig, train: Prompts, val: Prompts, base_model: FlyteDir
     """One round, a task per stage, from `policy` (checkpoint `checkpoint`; none for the first
     round). In a sweep's trial (`trial` given), `decide` also reports to the study's pruner."""
     sampled = sample_prompts(cfg=cfg, train=train, state=state)
-    rolled = rollout(cfg=cfg, policy=policy, prompts=sampled.prompts, state=sampled.state).with_overrides(
-        **gpu_overrides(generation_gpus(cfg)))
-    scored = score_task(cfg)(cfg=cfg, rollouts=rolled)
+    if cfg.data.rollout_files:  # offline RLHF: the stored table replaces rollout and score
+        scored = offline_rollout(cfg=cfg, policy=policy, state=sampled.state)
+    else:
+        rolled = rollout(cfg=cfg, policy=policy, prompts=sampled.prompts, state=sampled.state).with_overrides(
+            **gpu_overrides(generation_gpus(cfg)))
+        scored = score_task(cfg)(cfg=cfg, rollouts=rolled)
     updated = update_task(cfg)(cfg=cfg, base_model=base_model, checkpoint=checkpoint, scored=scored,
                                state=sampled.state, run_id=run_id).with_overrides(
         task_config=elastic_for(cfg), **gpu_overrides(cfg.trainer.n_gpus_per_node))
@@ -173,3 +177,10 @@ def ppo_pipeline(cfg: PPOConfig = PPOConfig()) -> Pipeline:
     base = prepare_policy(model=checked.model, seed=checked.trainer.seed, sft=data.sft)
     trained = ppo_train(cfg=checked, train=data.train, val=data.val, base_model=base)
     return Pipeline(model=trained.model, metrics=trained.metrics, state=trained.state)
+
+
+@workflow
+def ppo_offline(cfg: PPOConfig = PPOConfig(), rollout_files: str = "") -> Pipeline:
+    """`ppo_pipeline` trained from stored rollouts (`rollout_files`, or `data.rollout_files`)
+    instead of generated ones: offline RLHF, no rollout engine in the rounds."""
+    return ppo_pipeline(cfg=offline_config(cfg=cfg, rollout_files=rollout_files))

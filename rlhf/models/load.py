@@ -198,6 +198,11 @@ def _swap_in(tmp: str, out_dir: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def load_options(model_cfg) -> dict:
+    """The loaders' keyword arguments that `model.trust_remote_code` and `model.allow_network` set."""
+    return {"trust_remote_code": model_cfg.trust_remote_code, "allow_network": model_cfg.allow_network}
+
+
 def frozen_reference(source, dtype: str | torch.dtype = "float32", device: str | torch.device | None = None,
                      **load_kwargs) -> nn.Module:
     """The reference policy: a copy (of a module) or a load (of a dir), in eval mode, no grads."""

@@ -21,38 +21,47 @@ __all__ = ["ENGINES", "RolloutBatch", "RolloutEngine", "SamplingParams", "make_e
 
 @ENGINES.register("hf")
 def _make_hf(model_dir: str, tokenizer, cfg: RolloutConfig, model=None, seed: int = 0,
-             device: str = "auto", dtype: str = "float32") -> RolloutEngine:
+             device: str = "auto", dtype: str = "float32", trust_remote_code: bool = False,
+             allow_network: bool = False) -> RolloutEngine:
     from rlhf.models.load import load_causal_lm
     from rlhf.rollout.hf import HFRolloutEngine
 
     if model is None:
-        model = load_causal_lm(model_dir, dtype=dtype)
+        model = load_causal_lm(model_dir, dtype=dtype, trust_remote_code=trust_remote_code,
+                               allow_network=allow_network)
     return HFRolloutEngine(model, tokenizer, batch_size=cfg.generate_batch_size, device=device, seed=seed)
 
 
 @ENGINES.register("hf_fast")
 def _make_hf_fast(model_dir: str, tokenizer, cfg: RolloutConfig, model=None, seed: int = 0,
-                  device: str = "auto", dtype: str = "float32") -> RolloutEngine:
+                  device: str = "auto", dtype: str = "float32", trust_remote_code: bool = False,
+                  allow_network: bool = False) -> RolloutEngine:
     from rlhf.models.load import load_causal_lm
     from rlhf.rollout.fast_decode import FastHFRolloutEngine  # static KV cache + CUDA graphs on GPU
 
     if model is None:
-        model = load_causal_lm(model_dir, dtype=dtype)
+        model = load_causal_lm(model_dir, dtype=dtype, trust_remote_code=trust_remote_code,
+                               allow_network=allow_network)
     return FastHFRolloutEngine(model, tokenizer, batch_size=cfg.generate_batch_size, device=device, seed=seed)
 
 
 @ENGINES.register("vllm")
 def _make_vllm(model_dir: str, tokenizer, cfg: RolloutConfig, model=None, seed: int = 0,
-               device: str = "auto", dtype: str = "float32") -> RolloutEngine:
+               device: str = "auto", dtype: str = "float32", trust_remote_code: bool = False,
+               allow_network: bool = False) -> RolloutEngine:
     from rlhf.rollout.vllm import VLLMRolloutEngine  # heavy; only when asked for
 
-    return VLLMRolloutEngine(model_dir, cfg, seed)
+    return VLLMRolloutEngine(model_dir, cfg, seed, dtype=dtype, trust_remote_code=trust_remote_code)
 
 
 def make_engine(name: str, model_dir: str, tokenizer, cfg: RolloutConfig, model=None, seed: int = 0,
-                device: str = "auto", dtype: str = "float32") -> RolloutEngine:
+                device: str = "auto", dtype: str = "float32", trust_remote_code: bool = False,
+                allow_network: bool = False) -> RolloutEngine:
     """The engine registered as `name`; "hf" uses `model` when given, else loads `model_dir`.
 
-    vLLM always loads `model_dir` itself (its weights live in its own workers).
+    vLLM always loads `model_dir` itself (its weights live in its own workers), in `dtype`
+    (`model.dtype`, so rollout and trainer compute in the same precision) and running the
+    checkpoint's own code only with `trust_remote_code` (`model.trust_remote_code`).
     """
-    return ENGINES.get(name)(model_dir, tokenizer, cfg, model=model, seed=seed, device=device, dtype=dtype)
+    return ENGINES.get(name)(model_dir, tokenizer, cfg, model=model, seed=seed, device=device, dtype=dtype,
+                             trust_remote_code=trust_remote_code, allow_network=allow_network)

@@ -55,8 +55,8 @@ def import_vllm():
 
 
 def engine_kwargs(model_dir: str, cfg: RolloutConfig, seed: int, on_cpu: bool, dtype: str | None = None,
-                  max_model_len: int | None = None) -> dict[str, Any]:
-    """Keyword arguments for `vllm.LLM`."""
+                  max_model_len: int | None = None, trust_remote_code: bool = False) -> dict[str, Any]:
+    """Keyword arguments for `vllm.LLM` (`dtype`: None => float32 on CPU, the checkpoint's on GPU)."""
     kwargs: dict[str, Any] = dict(
         model=model_dir,
         tokenizer=model_dir,
@@ -67,7 +67,7 @@ def engine_kwargs(model_dir: str, cfg: RolloutConfig, seed: int, on_cpu: bool, d
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_num_seqs=min(256, cfg.max_num_batched_tokens),
         logprobs_mode="processed_logprobs",
-        trust_remote_code=False,
+        trust_remote_code=trust_remote_code,
     )
     if not on_cpu:
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
@@ -148,7 +148,7 @@ class VLLMRolloutEngine:
     """
 
     def __init__(self, model_dir: str, cfg: RolloutConfig, seed: int = 0, dtype: str | None = None,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, trust_remote_code: bool = False):
         import_vllm()
         import torch
         from vllm import LLM
@@ -159,7 +159,7 @@ class VLLMRolloutEngine:
         self.on_cpu = current_platform.is_cpu()
         self.in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
         set_num_threads = torch.set_num_threads
-        self.llm = LLM(**engine_kwargs(model_dir, cfg, seed, self.on_cpu, dtype, max_model_len))
+        self.llm = LLM(**engine_kwargs(model_dir, cfg, seed, self.on_cpu, dtype, max_model_len, trust_remote_code))
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process;
         # a trainer sharing this process keeps control of its own thread count.
         torch.set_num_threads = set_num_threads

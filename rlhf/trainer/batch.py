@@ -29,6 +29,8 @@ class PPOBatch:
     token_level_rewards: Optional[torch.Tensor] = None  # (B, R)
     advantages: Optional[torch.Tensor] = None  # (B, R)
     returns: Optional[torch.Tensor] = None  # (B, R)
+    rollout_is_weights: Optional[torch.Tensor] = None  # (B, R) rollout-correction IS weights
+    loss_mask: Optional[torch.Tensor] = None  # (B, R) response_mask minus rejected tokens (actor loss)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -90,9 +92,17 @@ def collate(
     prompt_width: int | None = None,
     response_width: int | None = None,
 ) -> PPOBatch:
-    """Build the (B, P+R) layout from ragged token lists."""
+    """Build the (B, P+R) layout from ragged token lists. `rollout_log_probs` rows that are
+    empty ("not kept") must all be: then the batch has none; a mix raises naming a row."""
     B = len(prompt_ids)
     assert B == len(response_ids) == len(scores) == len(group_ids), "ragged inputs must have one entry per response"
+    if rollout_log_probs is not None:
+        kept = [len(lp) > 0 for lp in rollout_log_probs]
+        if not any(kept):
+            rollout_log_probs = None
+        elif not all(kept):
+            raise ValueError(f"row {kept.index(False)}: rollout_logprobs is empty while row {kept.index(True)} has "
+                             "them; keep the rollout log-probs for every row or for none")
     P = prompt_width or max(len(p) for p in prompt_ids)
     R = response_width or max(1, max(len(r) for r in response_ids))
     input_ids = torch.full((B, P + R), pad_id, dtype=torch.long)
@@ -104,7 +114,7 @@ def collate(
         input_ids[i, P - len(p):P] = torch.as_tensor(p, dtype=torch.long)
         input_ids[i, P:P + len(r)] = torch.as_tensor(r, dtype=torch.long)
         attn[i, P - len(p):P + len(r)] = 1
-        if rollout_log_probs is not None and len(rollout_log_probs[i]):  # "[]" = not kept
+        if rollout_log_probs is not None:
             rlp[i, :len(r)] = torch.as_tensor(rollout_log_probs[i], dtype=torch.float32)
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
     return PPOBatch(

@@ -7,8 +7,10 @@ A round's buffer holds `steps_per_round` steps of responses. The stages, each ti
    same behaviour policy; S = 1 is verl's on-policy PPO);
 2. `reference_log_probs` - the frozen reference, for the whole buffer;
 then per step: 3. `critic_values` with the current critic, 4. `advantages` (KL penalty in
-the reward, token-level rewards, GAE or GRPO, whitening over all ranks), 5. `update_actor`,
-6. `update_critic`. The KL controller moves once per step, as verl's does.
+the reward, token-level rewards, then the `algorithm.adv_estimator` of `algos.ADV_ESTIMATORS`
+with whitening over all ranks), 5. `rollout_correction` (IS weights and rejection from the
+rollout log-probs, `rlhf.algos_correction`), 6. `update_critic`, 7. `update_actor` (not during
+the first `trainer.critic_warmup` steps). The KL controller moves once per step, as verl's does.
 
 How it departs from the textbook: advantages are whitened per step over the global batch
 (verl's `compute_gae_advantage_return`); a mini-batch whose loss or gradients are not
@@ -28,7 +30,8 @@ from typing import Iterator
 import torch
 
 from rlhf import algos
-from rlhf.config import PPOConfig, Sizes
+from rlhf.algos_correction import compute_rollout_correction
+from rlhf.config import PPOConfig, Sizes, correction_settings
 from rlhf.trainer import dist as D
 from rlhf.trainer import forward as F
 from rlhf.trainer.batch import PPOBatch
@@ -75,6 +78,8 @@ class PPOTrainer:
         self.ref = ref.to(device).eval() if ref is not None else None
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = algos.make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
+        self.correction = correction_settings(cfg)
+        self.global_step = 0  # PPO steps done (restored from the round state); critic_warmup counts these
         self.skipped_steps = 0  # PPO steps with at least one dropped (non-finite) update
         self._skipped_updates = 0  # dropped optimizer updates in the current step
         self.timer = Timer()
@@ -92,6 +97,8 @@ class PPOTrainer:
 
     # -- stages ------------------------------------------------------------------------
     def behaviour_log_probs(self, buf: PPOBatch) -> PPOBatch:
+        if self.correction.bypass_mode and buf.rollout_log_probs is not None:
+            return buf.with_(old_log_probs=buf.rollout_log_probs)  # PPO anchored at the sampler's log-probs
         with self.timer("old_log_prob"):
             self.actor.module.eval()
             lp = F.batched_log_probs(self.actor.module, buf, temperature=self.cfg.rollout.temperature,
@@ -138,12 +145,10 @@ class PPOTrainer:
                 metrics["actor/current_kl"] = current_kl
                 if in_reward and math.isfinite(current_kl):
                     self.kl_ctrl.update(current_kl=current_kl, n_steps=self.sizes.responses_per_step)
-            if alg.adv_estimator == "gae":
-                adv, ret = algos.compute_gae(rewards, batch.values, mask, alg.gamma, alg.lam)
-                adv = D.masked_whiten_global(adv, mask)
-            else:
-                adv, ret = algos.compute_grpo_advantages(batch.scores, batch.group_ids, mask,
-                                                         norm_by_std=alg.norm_adv_by_std_in_grpo)
+            adv, ret = algos.compute_advantages(alg.adv_estimator, rewards, mask, values=batch.values,
+                                                group_ids=batch.group_ids, gamma=alg.gamma, lam=alg.lam,
+                                                norm_by_std=alg.norm_adv_by_std_in_grpo,
+                                                whiten=D.masked_whiten_global)
         metrics.update(_stats("critic/rewards", rewards.sum(-1)))
         metrics.update(_stats("critic/advantages", adv, mask))
         metrics.update(_stats("critic/returns", ret, mask))
@@ -151,8 +156,25 @@ class PPOTrainer:
             metrics.update(_stats("critic/values", batch.values, mask))
         return batch.with_(token_level_rewards=rewards, advantages=adv, returns=ret), metrics
 
+    def rollout_correction(self, batch: PPOBatch) -> tuple[PPOBatch, dict[str, float]]:
+        """IS weights and the rejection mask from the rollout log-probs against the PPO anchor
+        (`old_log_probs`); a batch without rollout log-probs is left as it is."""
+        if batch.rollout_log_probs is None:
+            return batch, {}
+        rc = self.correction
+        corr, metrics = compute_rollout_correction(
+            batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, rc.rollout_is,
+            rc.rollout_is_threshold, rc.rollout_is_batch_normalize, rc.rollout_rs, rc.rollout_rs_threshold,
+            rc.rollout_rs_threshold_lower, rc.rollout_token_veto_threshold)
+        weights = corr.weights if rc.rollout_is is not None else None
+        return batch.with_(rollout_is_weights=weights, loss_mask=corr.mask), metrics
+
     def _mini_batches(self, batch: PPOBatch) -> list[PPOBatch]:
+        """Consecutive mini-batches; with `actor.shuffle` the rows are reshuffled first (a new
+        permutation each epoch, drawn from the round's seeded torch RNG)."""
         n = self.sizes.mini_batch_per_gpu
+        if self.cfg.actor.shuffle:
+            batch = batch.select(torch.randperm(len(batch)).to(batch.input_ids.device))
         return [batch.select(slice(i, i + n)) for i in range(0, len(batch), n)]
 
     def _micro(self, mini: PPOBatch, micro: int) -> list[PPOBatch]:
@@ -165,15 +187,16 @@ class PPOTrainer:
         lp, ent = F.log_probs(self.actor, mb, self.cfg.rollout.temperature, self._packed, with_entropy=want_entropy)
         low = a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio
         high = a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio
-        pg_loss, m = algos.policy_loss(lp, mb.old_log_probs, mb.advantages, mb.response_mask, low, high,
-                                       a.clip_ratio_c, a.loss_agg_mode)
-        entropy = algos.agg_loss(ent, mb.response_mask, a.loss_agg_mode)
+        mask = mb.loss_mask if mb.loss_mask is not None else mb.response_mask  # rejected tokens leave the loss
+        pg_loss, m = algos.policy_loss(lp, mb.old_log_probs, mb.advantages, mask, low, high,
+                                       a.clip_ratio_c, a.loss_agg_mode, rollout_is_weights=mb.rollout_is_weights)
+        entropy = algos.agg_loss(ent, mask, a.loss_agg_mode)
         loss = pg_loss - a.entropy_coeff * entropy
         metrics = {"actor/pg_loss": float(pg_loss.detach()), "actor/entropy": float(entropy.detach()),
                    **{f"actor/{k}": float(v) for k, v in m.items()}}
         if a.use_kl_loss and mb.ref_log_probs is not None:
             kl = algos.kl_penalty(lp, mb.ref_log_probs, a.kl_loss_type)
-            kl_loss = algos.agg_loss(kl, mb.response_mask, a.loss_agg_mode)
+            kl_loss = algos.agg_loss(kl, mask, a.loss_agg_mode)
             loss = loss + a.kl_loss_coef * kl_loss
             metrics["actor/kl_loss"] = float(kl_loss.detach())
             metrics["actor/kl_coef"] = a.kl_loss_coef
@@ -251,8 +274,13 @@ class PPOTrainer:
         self._skipped_updates = 0
         batch = self.critic_values(batch)
         batch, metrics = self.advantages(batch)
+        batch, corr_metrics = self.rollout_correction(batch)
+        metrics.update(corr_metrics)
         metrics.update(self.update_critic(batch))
-        metrics.update(self.update_actor(batch))
+        if self.global_step >= self.cfg.trainer.critic_warmup:
+            metrics.update(self.update_actor(batch))
+        metrics["training/critic_warmup"] = float(self.global_step < self.cfg.trainer.critic_warmup)
+        self.global_step += 1
         metrics = D.mean_across_ranks(metrics)
         metrics.update(_stats("critic/score", D.all_gather_cat(batch.scores)))
         self.skipped_steps += int(self._skipped_updates > 0)  # the same on every rank: `bad` is reduced

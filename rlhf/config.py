@@ -629,9 +629,6 @@ def validate(cfg: PPOConfig) -> None:
                 "ref.log_prob_micro_batch_size_per_gpu"):
         if flat[key] < 0:
             raise ConfigError(f"config key '{key}' must be >= 0, got {flat[key]}")
-    if cfg.trainer.save_freq == 0 or cfg.trainer.save_freq < -1:
-        raise ConfigError(f"trainer.save_freq must be >= 1 (rounds between checkpoints) or -1 (only after the "
-                          f"last round), got {cfg.trainer.save_freq}")
     if cfg.algorithm.adv_estimator in ("grpo", "rloo") and cfg.rollout.n < 2:
         raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs rollout.n >= 2 "
                           "(a group per prompt)")

@@ -11,6 +11,7 @@ and the last round's rollout and scored tables.
 
 from __future__ import annotations
 
+import contextvars
 from typing import NamedTuple, Optional
 
 import pandas as pd
@@ -20,9 +21,10 @@ from flytekit.types.directory import FlyteDirectory
 from containers.images import GPU_IMAGE
 from rlhf import pipeline as P
 from rlhf.config import PPOConfig
-from rlhf.segment import run_segment
+from rlhf.segment import run_segment, segment_end
 from rlhf.state import RoundState
 from tasks import intratask
+from tasks.evaluate import print_round
 from tasks.base import (DECK_FIELDS, GPU, GPU_RETRIES, TRACKING_SECRETS, Prompts, Rollouts, Scored, gpu_resources,
                         local_copy, rank, retry_transient, workdir)
 from tasks.update import RDZV, RunShapedElastic, RunShapedElasticTask, checkpoint_outputs, elastic_for
@@ -35,11 +37,20 @@ Segment = NamedTuple("Segment", [("checkpoint", FlyteDirectory), ("policy", Flyt
 def _segment(cfg: PPOConfig, train: Prompts, val: Prompts, base_model: FlyteDirectory,
              checkpoint: Optional[FlyteDirectory], state: RoundState, run_id: str) -> Segment:
     sink = P.tracking_sink(cfg, run_id, state) if rank() == 0 else None
+    # The writer thread uploads each sealed checkpoint: it runs in this task's Flyte context
+    # (a ContextVar, which a new thread would not see).
+    context = contextvars.copy_context()
+    end = segment_end(cfg, state.round)
+
+    def round_line(run) -> None:  # the segment's last round has its line from `decide`
+        if run.rank == 0 and run.state.round < end:
+            print_round(cfg, run.state, run.last_steps)
+
     with retry_transient():
         resume = intratask.restore()
         r = run_segment(cfg, local_copy(base_model), train, val, local_copy(checkpoint) if checkpoint else None,
                         state, workdir("segment"), sink=sink, resume=str(resume) if resume else None,
-                        on_checkpoint=intratask.save)
+                        on_checkpoint=lambda path: context.run(intratask.save, path), on_round=round_line)
     out = P.keep_pending(sink, r.state) if sink is not None else r.state
     Deck("segment", r.metrics.to_html(index=False, float_format=lambda x: f"{x:.5g}"))
     ckpt_dir, policy, out = checkpoint_outputs(r.checkpoint, out, cfg.trainer.max_ckpt_to_keep)

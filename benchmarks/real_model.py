@@ -153,8 +153,6 @@ def write_data(out: Path, s: dict, seed: int) -> str:
 def warm_start(model_dir: str, data_dir: str, s: dict, out: Path, device) -> dict:
     """Greedy strict accuracy of the instruct model, the SFT warm-start on the labeled split,
     the accuracy after it; the warm-started policy saved as `<out>/sft_model`."""
-    import torch
-
     from rlhf.config import SFTConfig
     from rlhf.models.load import load_causal_lm, load_tokenizer, save_model_atomic
     from rlhf.models.sft import sft_warm_start
@@ -168,8 +166,10 @@ def warm_start(model_dir: str, data_dir: str, s: dict, out: Path, device) -> dic
     cfg = SFTConfig(max_steps=s["sft_steps"], epochs=1000, batch_size=s["sft_batch"], lr=s.get("sft_lr", 2e-5),
                     warmup_steps=min(5, s["sft_steps"]), stop_at_accuracy=0.0, log_every=10, num_threads=1,
                     max_seconds=120)
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        metrics = sft_warm_start(model, tok, sft["prompt"].tolist(), targets, cfg, prompt_format="chat")
+    # bf16 autocast per step on the GPU (fp32 weights for AdamW); never one region around the
+    # whole run, whose weight cache would freeze the forward at step 1's weights
+    metrics = sft_warm_start(model, tok, sft["prompt"].tolist(), targets, cfg, prompt_format="chat",
+                             autocast_dtype="bfloat16" if device.type == "cuda" else "")
     after = strict_accuracy(model, tok, val, s["max_response"])
     save_model_atomic(model, tok, str(out / "sft_model"))
     print(f"instruct strict {before['strict']:.3f} -> after SFT {after['strict']:.3f}", flush=True)

@@ -40,3 +40,17 @@ def test_smollm2_one_gpu_example():
     assert (s.world_size, s.responses_per_step, s.num_mini_batches, s.mini_batch_per_gpu) == (1, 256, 4, 64)
     assert cfg.model.path.endswith(".gguf") and cfg.data.prompt_format == "chat"
     assert cfg.reward.gsm8k_method == "strict" and cfg.reward.format_score > 0
+
+
+def test_smollm2_one_gpu_example_never_stops_on_kl():
+    """verl does not stop GSM8K PPO on KL; the H200 run stopped at round 9 of its budget with
+    per-token KL 1.1-1.2 to the warm-start (target_kl 1.0, patience 3)."""
+    from rlhf.state import RoundState, decide
+
+    cfg = load_config(ROOT / "examples" / "smollm2_gsm8k_1gpu.yaml")
+    state, verdict = RoundState(), None
+    for _ in range(50):
+        state, verdict = decide(state, [{"actor/current_kl": 25.0}], cfg)
+    assert not verdict.stop, verdict.reason
+    state, verdict = decide(state, [{"actor/current_kl": float("nan")}], cfg)
+    assert verdict.stop, "a non-finite KL still stops the run"

@@ -145,3 +145,36 @@ def test_one_ppo_round_on_smollm2_changes_weights_with_finite_losses(smollm2_ggu
     after = load_file(str(last / "actor" / "model.safetensors"))
     changed = [k for k in before if not torch.equal(before[k], after[k].to(before[k].dtype))]
     assert len(changed) > len(before) // 2, f"only {len(changed)} of {len(before)} tensors changed"
+
+
+@pytest.mark.parametrize("autocast", ["caller", "argument"])
+def test_sft_under_bf16_autocast_trains_the_weights_it_updates(smollm2_dir, test_rows, autocast):
+    """Autocast keeps its bf16 copy of each weight until its outermost region exits: SFT run
+    inside one region (as the H200 benchmark did) kept computing the forward on the weights
+    of step 1, so its loss on a repeated batch never fell while AdamW drove the fp32 weights
+    along stale gradients (greedy output after 24 steps: a bare number, then <|im_end|>)."""
+    import contextlib
+
+    from rlhf.config import SFTConfig
+    from rlhf.models.load import load_causal_lm, load_tokenizer
+    from rlhf.models.sft import collate, sft_loss, sft_warm_start, tokenize_pairs
+
+    model, tok = load_causal_lm(smollm2_dir), load_tokenizer(smollm2_dir)
+    prompts = test_rows["prompt"].tolist()[:2]
+    responses = [json.loads(x)["answer"] for x in test_rows["extra_info"].tolist()[:2]]
+    batch = collate(tokenize_pairs(tok, prompts, responses, "chat"), tok.pad_token_id)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        first = float(sft_loss(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+                               batch["labels"]))
+    cfg = SFTConfig(max_steps=3, batch_size=2, lr=1e-4, warmup_steps=0, lr_schedule="constant",
+                    stop_at_accuracy=0.0, log_every=1, num_threads=1)
+    outer = torch.autocast("cpu", dtype=torch.bfloat16) if autocast == "caller" else contextlib.nullcontext()
+    before = torch.get_num_threads()
+    try:
+        with outer:
+            metrics = sft_warm_start(model, tok, prompts, responses, cfg, progress=False, prompt_format="chat",
+                                     **({"autocast_dtype": "bfloat16"} if autocast == "argument" else {}))
+    finally:
+        torch.set_num_threads(before)
+    # the third step's loss on the same two examples, after two updates at lr 1e-4
+    assert metrics["sft/loss"] < 0.8 * first, (first, metrics["sft/loss"])

@@ -7,6 +7,13 @@ The run ends at whichever comes first: `max_steps`, `epochs`, `max_seconds`, or 
 accuracy on a probe of the training problems reaching `stop_at_accuracy` (a warm-start
 that leaves room for RL). It runs on `num_threads` CPU threads: the result depends on
 the thread count (summation order), and one thread is steadier on a small shared CPU.
+
+Mixed precision: pass `autocast_dtype` (e.g. "bfloat16"); each step's forward and loss then
+run in their own `torch.autocast` region, and the fp32 weights stay the optimizer's. A
+caller's own autocast region around the whole run also trains correctly: autocast caches its
+low-precision copy of every weight until its outermost region exits, so a loop inside one
+region would keep running the forward on the weights of step 1 while AdamW moved the fp32
+weights along those stale gradients, and every step clears that cache after the update.
 """
 
 from __future__ import annotations
@@ -124,7 +131,8 @@ def probe_accuracy(model, tokenizer, examples: list[tuple[list[int], list[int]]]
 
 def sft_warm_start(model, tokenizer, prompts: list[str], responses: list[str], cfg: SFTConfig, seed: int = 0,
                    progress: bool = True, log_every: int | None = None,
-                   should_stop: Callable[[], bool] | None = None, prompt_format: str = "text") -> dict[str, float]:
+                   should_stop: Callable[[], bool] | None = None, prompt_format: str = "text",
+                   autocast_dtype: str = "") -> dict[str, float]:
     """Fine-tune `model` in place on (prompt, response) pairs (prompts in `prompt_format`).
 
     Stops at the first of `max_steps`, `epochs`, `max_seconds`, or (if `stop_at_accuracy` > 0)
@@ -132,7 +140,8 @@ def sft_warm_start(model, tokenizer, prompts: list[str], responses: list[str], c
     pairs, checked every `probe_every` steps, or `should_stop()` returning True (checked
     after every step; e.g. a cancellation or a wall-clock budget set elsewhere). Returns `{"sft/steps", "sft/epochs", "sft/loss"
     (mean of the last `log_every` steps), "sft/seconds", "sft/tokens"}` and, when probing,
-    `"sft/probe_accuracy"`. Prints a line every `log_every` steps.
+    `"sft/probe_accuracy"`. Prints a line every `log_every` steps. `autocast_dtype` ("" = off,
+    "bfloat16") runs each step's forward and loss under `torch.autocast`.
     """
     if cfg.lr_schedule not in ("cosine", "constant"):
         raise ValueError(f"model.sft.lr_schedule is {cfg.lr_schedule!r}; choose 'cosine' or 'constant'")
@@ -144,13 +153,14 @@ def sft_warm_start(model, tokenizer, prompts: list[str], responses: list[str], c
     device = next(model.parameters()).device
     with cpu_threads(cfg.num_threads, device):
         metrics = _train(model, tokenizer, examples, cfg, seed, progress, log_every or cfg.log_every, device,
-                         should_stop)
+                         should_stop, autocast_dtype)
     model.eval()
     return metrics
 
 
 def _train(model, tokenizer, examples, cfg: SFTConfig, seed: int, progress: bool, log_every: int,
-           device: torch.device, should_stop: Callable[[], bool] | None = None) -> dict[str, float]:
+           device: torch.device, should_stop: Callable[[], bool] | None = None,
+           autocast_dtype: str = "") -> dict[str, float]:
     total = planned_steps(len(examples), cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     probe = examples[: cfg.probe_size] if cfg.stop_at_accuracy > 0 else []
@@ -158,7 +168,8 @@ def _train(model, tokenizer, examples, cfg: SFTConfig, seed: int, progress: bool
     start, step, tokens, recent, metrics = time.perf_counter(), 0, 0, [], {}
     for epoch, idx in epoch_batches(len(examples), cfg.batch_size, cfg.epochs, torch.Generator().manual_seed(seed)):
         batch = {k: v.to(device) for k, v in collate([examples[j] for j in idx], tokenizer.pad_token_id).items()}
-        recent = (recent + [_train_step(model, opt, batch, lr_at(step, total, cfg), cfg.grad_clip)])[-log_every:]
+        loss = _train_step(model, opt, batch, lr_at(step, total, cfg), cfg.grad_clip, autocast_dtype)
+        recent = (recent + [loss])[-log_every:]
         step, tokens = step + 1, tokens + int(batch["attention_mask"].sum())
         elapsed = time.perf_counter() - start
         if progress and (step % log_every == 0 or step == total):
@@ -177,15 +188,25 @@ def _train(model, tokenizer, examples, cfg: SFTConfig, seed: int, progress: bool
             "sft/seconds": time.perf_counter() - start, "sft/tokens": tokens, **metrics}
 
 
+def _autocast(device: torch.device, dtype: str):
+    if not dtype:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=getattr(torch, dtype))
+
+
 def _train_step(model, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor], lr: float,
-                grad_clip: float) -> float:
+                grad_clip: float, autocast_dtype: str = "") -> float:
     for group in opt.param_groups:
         group["lr"] = lr
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-    loss = sft_loss(logits, batch["labels"])
+    with _autocast(batch["input_ids"].device, autocast_dtype):
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        loss = sft_loss(logits, batch["labels"])
     opt.zero_grad(set_to_none=True)
     loss.backward()
     if grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     opt.step()
+    # Inside a caller's autocast region the low-precision copies of the weights are cached
+    # until that region exits: drop them, or the next forward runs on the weights before this step.
+    torch.clear_autocast_cache()
     return float(loss.detach())

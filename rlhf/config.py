@@ -677,17 +677,34 @@ def correction_settings(cfg: PPOConfig) -> RolloutCorrectionConfig:
         if changed or cap > 0:
             raise ConfigError(f"algorithm.rollout_correction.preset={rc.preset} sets the correction; remove "
                               f"{', '.join(sorted(changed)) or 'actor.tis_imp_ratio_cap'} or the preset")
-        return dataclasses.replace(RolloutCorrectionConfig(), **ROLLOUT_CORRECTION_PRESETS[rc.preset])
-    if cap > 0:
+        rc = dataclasses.replace(RolloutCorrectionConfig(), **ROLLOUT_CORRECTION_PRESETS[rc.preset])
+    elif cap > 0:
         if changed:
             raise ConfigError(f"actor.tis_imp_ratio_cap is verl's older spelling of rollout_is=token with "
                               f"rollout_is_threshold=cap; remove it or algorithm.rollout_correction."
                               f"{', algorithm.rollout_correction.'.join(sorted(changed))}")
-        return dataclasses.replace(rc, rollout_is="token", rollout_is_threshold=cap)
-    if rc.rollout_is_threshold <= 0:
+        rc = dataclasses.replace(rc, rollout_is="token", rollout_is_threshold=cap)
+    elif rc.rollout_is_threshold <= 0:
         raise ConfigError(f"algorithm.rollout_correction.rollout_is_threshold must be > 0, got "
                           f"{rc.rollout_is_threshold}")
+    _check_rejection_bounds(rc)
     return rc
+
+
+def _check_rejection_bounds(rc: RolloutCorrectionConfig) -> None:
+    """Rejection keeps ratios in [lower, upper], which needs lower <= upper: refused at launch
+    rather than by the trainer's first update (non-positive bounds are left to the range
+    check, which names the key)."""
+    if rc.rollout_rs is None:
+        return
+    upper = rc.rollout_rs_threshold if rc.rollout_rs_threshold is not None else rc.rollout_is_threshold
+    if not upper > 0 or (rc.rollout_rs_threshold_lower is not None and not rc.rollout_rs_threshold_lower > 0):
+        return
+    lower = rc.rollout_rs_threshold_lower if rc.rollout_rs_threshold_lower is not None else 1.0 / upper
+    if lower > upper:
+        raise ConfigError(f"algorithm.rollout_correction rejects ratios outside [lower, upper], but lower={lower:g} "
+                          f"is above upper={upper:g} (rollout_rs_threshold, else rollout_is_threshold; "
+                          f"rollout_rs_threshold_lower, else 1 / upper). Give rollout_rs_threshold_lower <= rollout_rs_threshold")
 
 
 def _refuse_credentials(flat: dict[str, Any]) -> None:

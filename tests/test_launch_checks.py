@@ -35,6 +35,11 @@ ROOT = Path(__file__).resolve().parents[1]
     ("model.sft.lr=0", r"'model.sft.lr' is 0; it must be in \(0, inf\)"),
     ("trainer.profile_steps=[3,0]", r"'trainer.profile_steps' is 0"),
     ("trainer.save_freq=0", r"'trainer.save_freq' is 0; it must be in -1 or \[1, inf\)"),
+    ("algorithm.rollout_correction.rollout_rs_threshold_lower=0",
+     r"'algorithm.rollout_correction.rollout_rs_threshold_lower' is 0; it must be in \(0, inf\)"),
+    ("algorithm.rollout_correction.rollout_token_veto_threshold=1",
+     r"'algorithm.rollout_correction.rollout_token_veto_threshold' is 1; it must be in \(0, 1\)"),
+    ("actor.tis_imp_ratio_cap=0", r"actor.tis_imp_ratio_cap must be > 0, or -1 for off; got 0"),
 ])
 def test_values_no_run_can_use_are_refused_naming_key_and_range(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -45,6 +50,18 @@ def test_values_no_run_can_use_are_refused_naming_key_and_range(override, messag
                                       "actor.entropy_coeff=-0.01", "actor.lr=0", "model.sft.max_seconds=.inf"])
 def test_edge_values_that_runs_use_are_accepted(override):
     load_config(None, [override])
+
+
+def test_rejection_bounds_that_cross_are_refused_at_launch():
+    rs = ["algorithm.rollout_correction.rollout_rs=sequence"]
+    with pytest.raises(ConfigError, match=r"lower=3 is above upper=2.*rollout_rs_threshold_lower <= rollout_rs_threshold"):
+        load_config(None, rs + ["algorithm.rollout_correction.rollout_rs_threshold=2",
+                                "algorithm.rollout_correction.rollout_rs_threshold_lower=3"])
+    with pytest.raises(ConfigError, match=r"lower=2 is above upper=0.5"):  # lower defaults to 1 / upper
+        load_config(None, rs + ["algorithm.rollout_correction.rollout_rs_threshold=0.5"])
+    load_config(None, rs + ["algorithm.rollout_correction.rollout_rs_threshold=1.5",
+                            "algorithm.rollout_correction.rollout_rs_threshold_lower=0.9"])
+    load_config(None, ["algorithm.rollout_correction.preset=decoupled_geo_rs"])
 
 
 def test_every_numeric_key_has_a_range_and_the_defaults_lie_in_it():

@@ -79,7 +79,6 @@ def test_pyflyte_cfg_accepts_verl_keys():
 @pytest.mark.parametrize("override, words", [
     ("trainer.total_training_steps=100", "trainer.total_rounds"),
     ("actor_rollout_ref.actor.strategy=fsdp", "deepspeed.zero_stage"),
-    ("trainer.critic_warmup=5", "critic"),
     ("critic.ppo_mini_batch_size=64", "actor.ppo_mini_batch_size"),
     ("actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=4", "no counterpart"),
     ("data.prompt_key=question", "'prompt'"),
@@ -88,6 +87,13 @@ def test_keys_without_counterpart_are_refused_with_the_reason(override, words):
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
     assert override.split("=")[0] in str(e.value) and words in str(e.value)
+
+
+def test_critic_warmup_is_verls_key_and_meaning():
+    """verl's `trainer.critic_warmup`: the first N PPO steps update only the critic."""
+    assert load_config(None, ["trainer.critic_warmup=5"]).trainer.critic_warmup == 5
+    assert PPOConfig.from_json(json.dumps({"trainer": {"critic_warmup": 5}})).trainer.critic_warmup == 5
+    assert load_config(None, []).trainer.critic_warmup == 0  # verl's default: no warm-up
 
 
 def test_fixed_value_at_its_default_is_accepted():

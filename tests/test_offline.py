@@ -17,6 +17,7 @@ from rlhf.data.io import DataValidationError
 from test_trainer import TINY
 
 NO_VAL = ["trainer.test_freq=-1", "trainer.val_before_train=false"]
+CHECKPOINT_TIMES = {"timing_s/save_checkpoint", "timing_s/checkpoint_wait"}  # `Run.checkpoint` logs these each round
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,8 @@ def _offline_run(tmp_path: Path, stored: dict, files: str, *extra: str):
 
 
 def _recorded(run) -> list[dict]:
-    """Every metrics dict the run logs from now on (step metrics and validation)."""
+    """Every metrics dict the run logs from now on: each round's step metrics (and validation),
+    then its checkpoint's times."""
     logged, log = [], run.sink.log_metrics
     run.sink.log_metrics = lambda m, step=None: (logged.append(dict(m)), log(m, step=step))
     return logged
@@ -77,7 +79,8 @@ def test_offline_stored_round_trains_another_run_without_generation(tmp_path, st
         assert run._engine is None
         after = _params(run.trainer.actor.module)
         assert any(not torch.equal(before[k], after[k]) for k in before)
-        first, second = logged
+        first, first_checkpoint, second, second_checkpoint = logged
+        assert set(first_checkpoint) == set(second_checkpoint) == CHECKPOINT_TIMES
         assert first["critic/score/mean"] == pytest.approx(stored["table"]["score"].mean())  # stored scores used
         # The stored log-probs are the base policy's, which is this run's start: weights 1 in round 1.
         assert first["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-3)
@@ -103,7 +106,8 @@ def test_offline_without_log_probs_ids_or_scores_is_tokenized_and_scored(tmp_pat
         assert "score" not in run.offline
         logged = _recorded(run)
         run.round()
-        (m,) = logged
+        m, checkpoint = logged
+        assert set(checkpoint) == CHECKPOINT_TIMES
         assert m["critic/score/mean"] == pytest.approx(t["score"].mean())  # re-scored by the reward rule
         assert not any(k.startswith("rollout_corr/") for k in m)  # behaviour policy unknown: no correction
         assert run._engine is None

@@ -378,7 +378,9 @@ class FastHFRolloutEngine(HFRolloutEngine):
                 self._forward(step, tok_in, pos_in)
         torch.cuda.current_stream(self.device).wait_stream(s)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: the checkpoint writer's thread copies state off the GPU on its own stream
+        # while rounds go on; a global-mode capture would make those calls (and the capture) fail.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             out = self._forward(step, tok_in, pos_in)
         return graph, out
 

@@ -124,7 +124,8 @@ def start_sweep(cfg: PPOConfig, sweep: SweepConfig) -> SweepRun:
 def ppo_trial(trial: TrialContext, cfg: PPOConfig, run_id: str, train: Prompts, val: Prompts,
               base_model: FlyteDirectory) -> RoundState:
     """One trial: the PPO rounds from `base_model` on the trial's config, reporting each
-    round's val score to the study (pruned trials stop early); returns the final state."""
+    round's val score to the study (pruned trials stop early); returns the final state. A
+    confirm run is the same with `trial.number` -1: it reports nothing and is never pruned."""
     checked = check_config(cfg=cfg)
     rounds = ppo_round(cfg=checked, train=train, val=val, base_model=base_model, policy=base_model,
                        checkpoint=None, state=None, run_id=run_id, trial=trial)

@@ -79,14 +79,8 @@ def main() -> None:
     t0 = time.time()
     subprocess.run(cmd, cwd=ROOT, env=env, check=True)
     wall = time.time() - t0
-    from sweeps.sweep import DEFAULT_SWEEP
-
-    study = DEFAULT_SWEEP.study.name
-    if args.sweep:
-        from sweeps.steps import SweepConfig
-
-        study = SweepConfig.from_json(Path(args.sweep).read_text()).study.name
-    summary = json.loads((out_dir / "sweeps" / study / "summary.json").read_text())
+    (summary_file,) = (out_dir / "sweeps").glob("*/summary.json")  # a fresh output dir holds one study
+    summary = json.loads(summary_file.read_text())
     command = f"python benchmarks/sweep_confirm.py --tag {args.tag} {shlex.join(args.overrides)}".strip()
     data = result(summary, command + (f" --sweep {args.sweep}" if args.sweep else ""), wall, args.overrides)
     path = Path(args.results) / f"sweep_confirm_{args.tag}.json"

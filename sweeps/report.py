@@ -1,19 +1,24 @@
 """What a sweep leaves behind: the summary (best trial against the default config's own
-trial), the best trial's config as a YAML file for `ppo_pipeline --cfg`, and the Optuna
-plots for the console's decks.
+trial, the confirm table and its decision), the recommended config as a YAML file for
+`ppo_pipeline --cfg`, and the plots for the console's decks (Optuna's, and each confirmed
+config's val curves per seed).
 """
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
 import yaml
 
 from rlhf.config import PPOConfig, to_dict
+from sweeps.budget import rounds_spent
+from sweeps.confirm import Confirmed
 from sweeps.space import apply
 from sweeps.steps import DEFAULT_ATTR
 
@@ -53,7 +58,8 @@ def summary(study, first_number: int = 0) -> dict[str, Any]:
     best, default = best_trial(study), default_trial(study)
     out = {"study": study.study_name, "directions": [d.name.lower() for d in study.directions],
            "n_trials": len(trials), "launched": sum(t.number >= first_number for t in trials),
-           "states": states, "best": trial_summary(best), "default": trial_summary(default)}
+           "states": states, "best": trial_summary(best), "default": trial_summary(default),
+           "rounds_spent": rounds_spent(trials, first_number)}
     if len(study.directions) == 2:
         out["pareto_front"] = sorted(t.number for t in study.best_trials)
     b, d = out["best"].get("final_val"), out["default"].get("final_val")
@@ -65,6 +71,66 @@ def summary(study, first_number: int = 0) -> dict[str, Any]:
 def best_config(study, base: PPOConfig) -> Optional[PPOConfig]:
     best = best_trial(study)
     return apply(base, best.params) if best is not None else None
+
+
+def chosen_config(study, base: PPOConfig, confirmed: Confirmed) -> tuple[Optional[PPOConfig], str, str]:
+    """(config, what it is, why) for best_config.yaml: the confirm phase's winner (a trial,
+    or the default config when no trial beat it), or without a confirm phase the best trial."""
+    if not confirmed.rows:
+        best = best_trial(study)
+        if best is None:
+            return None, "", "no trial completed"
+        return apply(base, best.params), f"best trial {best.number}", f"{confirmed.reason}; the best trial as run"
+    if confirmed.winner_trial < 0:
+        return base, "default", confirmed.reason
+    return apply(base, study.trials[confirmed.winner_trial].params), confirmed.winner, confirmed.reason
+
+
+def confirm_summary(confirmed: Confirmed) -> dict[str, Any]:
+    return asdict(confirmed)
+
+
+def confirm_metrics(confirmed: Confirmed) -> dict[str, float]:
+    """sweep/confirm/<label>/{mean,se,n} for the parent MLflow run ("trial 3" -> "trial_3")."""
+    out = {}
+    for row in confirmed.rows:
+        key = row.label.replace(" ", "_")
+        out.update({f"sweep/confirm/{key}/mean": row.mean, f"sweep/confirm/{key}/se": row.se,
+                    f"sweep/confirm/{key}/n": float(row.n)})
+    return out
+
+
+def confirm_table_html(confirmed: Confirmed) -> str:
+    """The confirm table (one row per config: params, mean +- SE, n, each seed's score) and
+    the decision, as an HTML fragment."""
+    head = "<tr><th>config</th><th>params</th><th>mean</th><th>SE</th><th>n</th><th>scores by seed</th></tr>"
+    rows = []
+    for r in confirmed.rows:
+        params = ", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in sorted(r.params.items()))
+        scores = ", ".join(f"{s}: {x:.4f}" for s, x in zip(r.seeds, r.scores))
+        failed = f" (failed: {r.failed_seeds})" if r.failed_seeds else ""
+        mark = " <b>(chosen)</b>" if r.label == confirmed.winner else ""
+        rows.append(f"<tr><td>{html.escape(r.label)}{mark}</td><td>{html.escape(params)}</td><td>{r.mean:.4f}</td>"
+                    f"<td>{r.se:.4f}</td><td>{r.n}</td><td>{html.escape(scores + failed)}</td></tr>")
+    return (f"<h3>Confirm phase: objective {html.escape(confirmed.objective)}</h3><table>{head}{''.join(rows)}"
+            f"</table><p>{html.escape(confirmed.reason)}</p>")
+
+
+def confirm_figure(confirmed: Confirmed):
+    """Each confirmed config's val curve per seed (val score after each round), one colour per config."""
+    import plotly.graph_objects as go
+    from plotly.colors import qualitative
+
+    fig = go.Figure()
+    for i, row in enumerate(confirmed.rows):
+        colour = qualitative.Plotly[i % len(qualitative.Plotly)]
+        for seed, curve in zip(row.seeds, row.curves):
+            fig.add_trace(go.Scatter(x=list(range(1, len(curve) + 1)), y=curve, mode="lines+markers",
+                                     name=f"{row.label} seed {seed}", legendgroup=row.label,
+                                     line={"color": colour}))
+    fig.update_layout(title=f"Confirm runs: val score per round (chosen: {confirmed.winner})",
+                      xaxis_title="round", yaxis_title="val score")
+    return fig
 
 
 def write_atomic(path: Path, text: str) -> Path:

@@ -1,7 +1,8 @@
 """A sweep's steps between the Optuna study and the PPO runs, as plain functions that the
-Flyte workflow (`sweeps/sweep.py`) calls: check the sweep, plan a batch (ask, build each
-trial's config), turn a trial's final state into its Optuna result, tell the batch, and
-keep one MLflow parent run per sweep with a nested run per trial.
+Flyte workflow (`sweeps/sweep.py`) calls: check the sweep, plan a batch (ask within the
+round budget, build each trial's config), turn a trial's final state into its Optuna
+result, tell the batch, plan and score the confirm phase's re-runs, and keep one MLflow
+parent run per sweep with a nested run per trial and per confirm run.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from rlhf import pipeline as P
-from rlhf.config import ConfigError, PPOConfig, flatten
+from rlhf.config import ConfigError, PPOConfig, flatten, replace
 from rlhf.config_keys import check_keys, from_json_checked
 from rlhf.state import RoundState
-from sweeps.objective import convergence_metrics, objective, pareto_objectives
+from sweeps.budget import ROUNDS_ATTR
+from sweeps.confirm import DEFAULT_LABEL, ConfirmRow, ConfirmRun, ConfirmSpec, check_confirm, make_row
+from sweeps.objective import check_objective, convergence_metrics, objective, pareto_objectives, val_curve
 from sweeps.space import ParamSpec, apply, check_space, default_space
 from sweeps.study import StudySpec, ask_batch, tell_batch
 from sweeps.trial import is_pruned
@@ -32,13 +35,16 @@ SHARED_SECTIONS = ("data.", "model.")
 @dataclass(frozen=True)
 class SweepConfig:
     study: StudySpec = field(default_factory=StudySpec)
-    n_trials: int = 8  # trials this launch adds to the study (a relaunch adds more)
+    n_trials: int = 8  # most trials this launch adds to the study (a relaunch adds more)
     batch_size: int = 2  # trials asked, run in parallel and told together
+    round_budget: int = 0  # most PPO rounds this launch's trials run in all (sweeps.budget); 0 => no limit
     space: list[ParamSpec] = field(default_factory=default_space)
     run_default: bool = True  # the base config's own values run once per study, as its first trial asked
+    objective: str = "final_val"  # "final_val" | "auc" | "rounds_to_target" (sweeps.objective)
     kl_budget_weight: float = 0.5  # objective: penalty per unit of KL-budget violation
     divergence_penalty: float = 0.25  # objective: penalty when the run stopped for divergence
-    score_threshold: float = 0.5  # val score that `steps_to_score` counts steps to
+    score_threshold: float = 0.5  # val score that `steps_to_score` and `rounds_to_target` count to
+    confirm: ConfirmSpec = field(default_factory=ConfirmSpec)  # re-runs of the top trials on fresh seeds
 
     @classmethod
     def from_json(cls, text: str) -> "SweepConfig":
@@ -77,6 +83,29 @@ def check_sweep(sweep: SweepConfig) -> None:
                           "prepares once for all its trials; set them in the sweep's cfg instead")
     if len(sweep.study.directions) not in (1, 2):
         raise ConfigError(f"sweep.study.directions must hold 1 or 2 directions, got {sweep.study.directions}")
+    if sweep.round_budget < 0:
+        raise ConfigError(f"sweep.round_budget ({sweep.round_budget}) must be >= 0 (0: no limit)")
+    try:
+        check_objective(sweep.objective)
+    except ValueError as e:
+        raise ConfigError(f"sweep.objective: {e}") from None
+
+
+def check_sweep_for(sweep: SweepConfig, cfg: PPOConfig) -> None:
+    """What depends on the base config too: the budget holds one trial's rounds, the
+    confirm seeds are fresh."""
+    check_sweep(sweep)
+    rounds = cfg.trainer.total_rounds
+    if 0 < sweep.round_budget < rounds:
+        raise ConfigError(f"sweep.round_budget ({sweep.round_budget}) is below one trial's trainer.total_rounds "
+                          f"({rounds}): no trial could run; raise the budget or lower total_rounds")
+    if sweep.study.pruner == "hyperband" and sweep.study.max_resource > rounds:
+        raise ConfigError(f"sweep.study.max_resource ({sweep.study.max_resource}) exceeds trainer.total_rounds "
+                          f"({rounds}); set it to {rounds} or 0")
+    try:
+        check_confirm(sweep.confirm, cfg.trainer.seed)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def default_params(cfg: PPOConfig, space: list[ParamSpec]) -> dict[str, Any]:
@@ -117,12 +146,12 @@ def result_of(state: Optional[RoundState], cfg: PPOConfig, sweep: SweepConfig
     if state is None:
         return "FAIL", [], {"error": "the trial's pipeline raised (see its execution)"}
     m = convergence_metrics(state.step_history, state.val_history, P.stop_reason(cfg, state),
-                            cfg.algorithm.kl_ctrl.target_kl, sweep.score_threshold)
-    metrics = asdict(m)
+                            cfg.algorithm.kl_ctrl.target_kl, sweep.score_threshold, cfg.trainer.total_rounds)
+    metrics = {**asdict(m), ROUNDS_ATTR: state.round}
     if is_pruned(state.stop_reason):
         return "PRUNED", [], metrics
     if len(sweep.study.directions) == 1:
-        values = [objective(m, sweep.kl_budget_weight, sweep.divergence_penalty)]
+        values = [objective(m, sweep.kl_budget_weight, sweep.divergence_penalty, sweep.objective)]
     else:
         values = list(pareto_objectives(m))
     if not all(math.isfinite(v) for v in values):
@@ -146,6 +175,55 @@ def tell(study, numbers: list[int], cfgs: list[PPOConfig], states: list[Optional
     return out
 
 
+def confirm_candidates(study, k: int) -> list:
+    """The top `k` complete trials by their (first) objective, the default config's trial left
+    out (the confirm phase re-runs the base config anyway)."""
+    complete = [t for t in study.get_trials(deepcopy=False)
+                if t.state.name == "COMPLETE" and not t.user_attrs.get(DEFAULT_ATTR)]
+    sign = 1.0 if study.directions[0].name == "MAXIMIZE" else -1.0
+    return sorted(complete, key=lambda t: (-sign * t.values[0], t.number))[:k]
+
+
+def plan_confirm(study, base: PPOConfig, sweep: SweepConfig) -> tuple[list[ConfirmRun], list[PPOConfig]]:
+    """The confirm phase's runs (the default config, then the top trials, each on every
+    confirm seed) and their configs; none when `sweep.confirm.k` is 0."""
+    spec = sweep.confirm
+    if spec.k <= 0:
+        return [], []
+    configs = [(DEFAULT_LABEL, -1, default_params(base, sweep.space))]
+    configs += [(f"trial {t.number}", t.number, dict(t.params)) for t in confirm_candidates(study, spec.k)]
+    rounds = spec.rounds or base.trainer.total_rounds
+    runs, cfgs = [], []
+    for label, number, params in configs:
+        for seed in spec.seeds:
+            runs.append(ConfirmRun(label=label, trial=number, seed=seed, params={k: repr(v) for k, v in params.items()}))
+            cfgs.append(replace(apply(base, params), [f"trainer.seed={seed}", f"trainer.total_rounds={rounds}"]))
+    return runs, cfgs
+
+
+def confirm_rows(runs: list[ConfirmRun], cfgs: list[PPOConfig], states: list[Optional[RoundState]],
+                 sweep: SweepConfig) -> list[ConfirmRow]:
+    """One row per config (in plan order): each seed's objective, final val score and val
+    curve; a run that raised (None) is listed under `failed_seeds`."""
+    results: dict[tuple[str, int], list] = {}
+    params: dict[tuple[str, int], dict[str, str]] = {}
+    for run, cfg, state in zip(runs, cfgs, states, strict=True):
+        key = (run.label, run.trial)
+        params[key] = run.params
+        results.setdefault(key, []).append((run.seed, _scored(state, cfg, sweep)))
+    return [make_row(label, trial, params[(label, trial)], res) for (label, trial), res in results.items()]
+
+
+def _scored(state: Optional[RoundState], cfg: PPOConfig, sweep: SweepConfig) -> Optional[tuple]:
+    if state is None:
+        return None
+    rounds = cfg.trainer.total_rounds
+    m = convergence_metrics(state.step_history, state.val_history, P.stop_reason(cfg, state),
+                            cfg.algorithm.kl_ctrl.target_kl, sweep.score_threshold, rounds)
+    score = objective(m, sweep.kl_budget_weight, sweep.divergence_penalty, sweep.objective)
+    return score, m.final_val, val_curve(state.val_history, rounds)
+
+
 def _trial_id(study, number: int) -> int:
     return study._storage.get_trial_id_from_study_id_trial_number(study._study_id, number)
 
@@ -162,6 +240,8 @@ def open_parent_run(cfg: PPOConfig, sweep: SweepConfig, storage: str) -> str:
     sink = mlflow_sink(cfg, run_name=f"sweep {sweep.study.name}", tags={"sweep.study": sweep.study.name})
     sink.log_params({"sweep.study": sweep.study.name, "sweep.storage": _hide_password(storage),
                      "sweep.n_trials": sweep.n_trials, "sweep.batch_size": sweep.batch_size,
+                     "sweep.round_budget": sweep.round_budget, "sweep.objective": sweep.objective,
+                     "sweep.confirm": asdict(sweep.confirm),
                      "sweep.sampler": sweep.study.sampler, "sweep.pruner": sweep.study.pruner,
                      "sweep.directions": sweep.study.directions,
                      "sweep.space": [asdict(p) for p in sweep.space]})
@@ -177,6 +257,19 @@ def open_trial_run(p: Planned, parent_run_id: str, study_name: str) -> str:
     sink = make_sink(["mlflow"], p.cfg, run_name=f"{study_name} trial {p.number}", parent_run_id=parent_run_id)
     sink.set_tags({"sweep.study": study_name, "sweep.trial": p.number, "sweep.default": p.is_default,
                    "sweep.params": json.dumps(p.params, sort_keys=True)})
+    return sink.run_id
+
+
+def open_confirm_run(run: ConfirmRun, cfg: PPOConfig, parent_run_id: str, study_name: str) -> str:
+    """A nested MLflow run for one confirm re-run, or "" without a parent."""
+    if not parent_run_id:
+        return ""
+    from rlhf.tracking import make_sink
+
+    sink = make_sink(["mlflow"], cfg, run_name=f"{study_name} confirm {run.label} seed {run.seed}",
+                     parent_run_id=parent_run_id)
+    sink.set_tags({"sweep.study": study_name, "sweep.confirm": run.label, "sweep.confirm_seed": run.seed,
+                   "sweep.trial": run.trial, "sweep.params": json.dumps(run.params, sort_keys=True)})
     return sink.run_id
 
 

@@ -32,10 +32,13 @@ class StudySpec:
     storage: str = ""  # "" => sqlite:///outputs/sweeps/optuna.db
     directions: list[str] = field(default_factory=lambda: ["maximize"])  # ["maximize", "minimize"] => Pareto
     sampler: str = "tpe"  # "tpe" | "random" | "nsga2"
-    pruner: str = "median"  # "median" | "none"
+    pruner: str = "median"  # "median" | "sha" (successive halving) | "hyperband" | "none"
     seed: int = 0
-    n_startup_trials: int = 2  # pruner: trials before pruning starts
-    n_warmup_steps: int = 1  # pruner: rounds reported before a trial can be pruned
+    n_startup_trials: int = 2  # median pruner: trials before pruning starts
+    n_warmup_steps: int = 1  # median pruner: rounds reported before a trial can be pruned
+    min_resource: int = 1  # sha, hyperband: rounds every trial runs before its first rung
+    reduction_factor: int = 2  # sha, hyperband: 1 in `reduction_factor` trials goes on at each rung
+    max_resource: int = 0  # hyperband: a trial's most rounds (trainer.total_rounds); 0 => the longest trial told
     heartbeat_interval: int = 60  # seconds between a running trial's heartbeats
     grace_period: int = 1800  # a RUNNING trial without a heartbeat this long is failed; > a round's duration
     max_retry: int = 1  # retries of a trial failed that way (same params)
@@ -67,9 +70,19 @@ def _pruner(spec: StudySpec):
 
     if spec.pruner == "median":
         return optuna.pruners.MedianPruner(n_startup_trials=spec.n_startup_trials, n_warmup_steps=spec.n_warmup_steps)
+    if spec.pruner == "sha":
+        # Rungs at min_resource x reduction_factor**i rounds; asynchronous, so it works with
+        # trials told in batches: a trial goes on when it is in the top 1/reduction_factor
+        # of the trials that reached the same rung so far.
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=spec.min_resource,
+                                                      reduction_factor=spec.reduction_factor)
+    if spec.pruner == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=spec.min_resource,
+                                              max_resource=spec.max_resource or "auto",
+                                              reduction_factor=spec.reduction_factor)
     if spec.pruner == "none":
         return optuna.pruners.NopPruner()
-    raise ValueError(f"unknown sweep pruner {spec.pruner!r}; choose median or none")
+    raise ValueError(f"unknown sweep pruner {spec.pruner!r}; choose median, sha, hyperband or none")
 
 
 def open_study(spec: StudySpec, storage: str):

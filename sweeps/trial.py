@@ -4,7 +4,8 @@ pruning check its `decide` step runs after every round.
 Without a `TrialContext` the pipeline runs unchanged. With one, each round that measured a
 val score reports it to the study (step = rounds done), and when the study's pruner says
 so the run stops like any early stop, with a reason that starts with `PRUNED`; the sweep
-then records the trial PRUNED.
+then records the trial PRUNED. A context without a trial number (`number` < 0: the confirm
+phase's re-runs, which are not trials of the study) reports nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class TrialContext:
 
     study: StudySpec = field(default_factory=StudySpec)
     storage: str = ""  # the resolved storage URL (`sweeps.study.storage_url`)
-    number: int = -1  # the Optuna trial number
+    number: int = -1  # the Optuna trial number; < 0 => a run outside the study (reports nothing)
 
 
 def is_pruned(stop_reason: str) -> bool:
@@ -40,7 +41,7 @@ def check_pruning(ctx: TrialContext, state: RoundState, verdict: Verdict, rounds
     reported first, each at its round. An earlier stop reason wins; a round without a fresh
     val score reports nothing."""
     fresh = state.val_history[-1] if state.val_history else None
-    if fresh is None or state.round == 0 or int(fresh["round"]) != state.round:
+    if ctx.number < 0 or fresh is None or state.round == 0 or int(fresh["round"]) != state.round:
         return state, verdict
     with TrialReporter(ctx.storage, ctx.study, ctx.number) as reporter:
         done = reporter.reported_steps()

@@ -11,6 +11,7 @@ import optuna
 import pytest
 
 from rlhf.config import PPOConfig, load_config
+from sweeps.confirm import ConfirmSpec
 from sweeps.space import ParamSpec, apply, default_space
 from sweeps.steps import DEFAULT_ATTR, SweepConfig
 from sweeps.study import StudySpec, TrialReporter, ask_batch, open_study, storage_url, tell_batch
@@ -21,6 +22,7 @@ COMPLETE, PRUNED, FAIL = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialSt
 # A swept key pinned to one valid value, so that a trial queued with another value (3 does
 # not divide train_batch_size 8) passes the sampler and then raises inside its pipeline.
 MINI_BATCH = ParamSpec("actor.ppo_mini_batch_size", 8, 8, kind="int")
+NO_CONFIRM = ConfirmSpec(k=0)  # these tests are about the search; test_sweep_confirm.py runs the confirm phase
 
 
 @pytest.fixture(autouse=True)
@@ -58,7 +60,7 @@ def swept(tmp_path_factory, mlflow_server):
     tmp = tmp_path_factory.mktemp("sweep")
     cfg = tiny_cfg(tmp, 1, "trainer.logger=[mlflow]", f"trainer.mlflow_tracking_uri={mlflow_server}")
     spec = StudySpec(name="e2e", sampler="random", seed=0)
-    sweep = SweepConfig(study=spec, n_trials=3, batch_size=2, space=default_space() + [MINI_BATCH])
+    sweep = SweepConfig(study=spec, n_trials=3, batch_size=2, space=default_space() + [MINI_BATCH], confirm=NO_CONFIRM)
     storage = storage_url(spec, str(tmp))
     open_study(spec, storage).enqueue_trial({MINI_BATCH.name: 3})
     decks, level = DeckPaths(), logger.level
@@ -67,7 +69,8 @@ def swept(tmp_path_factory, mlflow_server):
     try:
         first = ppo_sweep(cfg=cfg, sweep=sweep)
         trials_after_first = optuna.load_study(study_name="e2e", storage=storage).get_trials()
-        second = ppo_sweep(cfg=cfg, sweep=SweepConfig(study=spec, n_trials=1, batch_size=2, space=sweep.space))
+        second = ppo_sweep(cfg=cfg, sweep=SweepConfig(study=spec, n_trials=1, batch_size=2, space=sweep.space,
+                                                      confirm=NO_CONFIRM))
     finally:
         logger.removeHandler(decks)
         logger.setLevel(level)
@@ -182,7 +185,8 @@ def test_a_trial_with_bad_values_is_pruned_by_decide_before_its_last_round(tmp_p
             for step in (1, 2):
                 assert not rep.report(0.9, step)
         tell_batch(study, [(number, "COMPLETE", [0.9])])
-    out = ppo_sweep(cfg=tiny_cfg(tmp_path, 2), sweep=SweepConfig(study=spec, n_trials=1, batch_size=1))
+    out = ppo_sweep(cfg=tiny_cfg(tmp_path, 2), sweep=SweepConfig(study=spec, n_trials=1, batch_size=1,
+                                                                 confirm=NO_CONFIRM))
     trial = optuna.load_study(study_name="prune", storage=storage).trials[2]
     assert trial.state == PRUNED, (trial.state, trial.user_attrs)
     assert list(trial.intermediate_values) == [1] and trial.intermediate_values[1] < 0.9

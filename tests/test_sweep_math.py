@@ -2,7 +2,8 @@ import optuna
 import pytest
 
 from rlhf.config import PPOConfig
-from sweeps.objective import TrialMetrics, convergence_metrics, objective, pareto_front, pareto_objectives
+from sweeps.objective import (TrialMetrics, convergence_metrics, objective, pareto_front, pareto_objectives,
+                              val_curve)
 from sweeps.space import ParamSpec, apply, check_space, default_space, suggest, to_overrides
 
 
@@ -63,3 +64,33 @@ def test_pareto_front():
     assert pareto_front(pts) == [2, 4]
     m = TrialMetrics(0.7, 0.6, 0.3, 0.0, 0.02, 3, "", False, 5)
     assert pareto_objectives(m) == (0.6, 0.02)
+
+
+def test_area_under_the_val_curve_and_rounds_to_target_by_hand():
+    # Round 3 has no val score (it keeps round 2's); rounds 5 runs after the last score (keeps 0.6).
+    vals = [{"round": 1.0, "step": 2.0, "score": 0.2}, {"round": 2.0, "step": 4.0, "score": 0.4},
+            {"round": 4.0, "step": 8.0, "score": 0.6}]
+    assert val_curve(vals, 5) == [0.2, 0.4, 0.4, 0.6, 0.6]
+    m = convergence_metrics(_hist([0.0, 0.2]), vals, "", target_kl=0.1, score_threshold=0.4, max_rounds=5)
+    assert m.auc_val == pytest.approx(2.2 / 5) and m.rounds_to_score == 2 and m.steps_to_score == 4
+    assert (m.last_val_round, m.max_rounds, m.kl_budget) == (4, 5, 0.5)
+    assert objective(m, 0.5, 0.25, "final_val") == pytest.approx(0.6 - 0.25)
+    assert objective(m, 0.5, 0.25, "auc") == pytest.approx(0.44 - 0.25)
+    assert objective(m, 0.0, 0.25, "rounds_to_target") == pytest.approx((5 - 2 + 1) / 5)
+    # Round 0 (val before training) fills the rounds before the first score; never reaching the
+    # target scores 0 before the penalties, a divergence stop costs its penalty on every objective.
+    early = [{"round": 0.0, "step": 0.0, "score": 0.1}, {"round": 2.0, "step": 4.0, "score": 0.3}]
+    n = convergence_metrics(_hist([0.3]), early, "KL 0.3 above the ceiling", 0.1, 0.9, max_rounds=2)
+    assert n.auc_val == pytest.approx((0.1 + 0.3) / 2) and n.rounds_to_score == -1
+    assert objective(n, 0.0, 0.25, "rounds_to_target") == pytest.approx(-0.25)
+    assert objective(n, 0.0, 0.25, "auc") == pytest.approx(0.2 - 0.25)
+    # Without max_rounds the curve spans the rounds measured.
+    assert convergence_metrics([], vals, "", 0.1, 0.5).auc_val == pytest.approx((0.2 + 0.4 + 0.4 + 0.6) / 4)
+    with pytest.raises(ValueError, match="unknown sweep objective 'auc_val'.*rounds_to_target"):
+        objective(m, name="auc_val")
+
+
+def test_a_round_zero_score_alone_does_not_reach_the_target():
+    vals = [{"round": 0.0, "step": 0.0, "score": 0.9}, {"round": 1.0, "step": 2.0, "score": 0.2}]
+    m = convergence_metrics([], vals, "", 0.1, 0.5, max_rounds=3)
+    assert m.rounds_to_score == -1 and objective(m, name="rounds_to_target") == 0.0

@@ -213,6 +213,30 @@ def run_pair(seed: int, pair: list[str], args) -> list[dict]:
     return [dict(rows[lane], seed=seed) for lane in pair]
 
 
+def link_start(seed: int, args) -> None:
+    """Use an already built warm-start for `seed` (the same function, seed and settings) if given."""
+    if not args.start_from:
+        return
+    found = sorted(Path(args.start_from).glob(f"*_{seed}_t1"))
+    base = Path(args.out) / f"seed{seed}" / "base_model"
+    if found and not base.exists():
+        base.parent.mkdir(parents=True, exist_ok=True)
+        base.symlink_to(found[0].resolve(), target_is_directory=True)
+
+
+def merge(args) -> None:
+    """One result from several runs of the same pair (their commands kept)."""
+    parts = [json.loads(Path(f).read_text()) for f in args.merge]
+    if any(p["pair"] != args.pair for p in parts):
+        raise SystemExit(f"--merge: every file must hold the pair {args.pair}")
+    rows = [r for p in parts for r in p["runs"]]
+    result = dict(parts[0], command=[p["command"] for p in parts], wall_s=sum(p["wall_s"] for p in parts),
+                  summary=summarize(rows, args.pair), runs=rows)
+    out = Path(args.result or ROOT / "benchmarks" / "results" / f"learning_speed_{args.pair[0]}_vs_{args.pair[1]}.json")
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result["summary"], indent=2))
+
+
 def at_samples(curve: list[dict], samples: int) -> float:
     """Val accuracy at the first point with at least `samples` samples (the last point if none)."""
     return next((c["val"] for c in curve if c["samples"] >= samples), curve[-1]["val"])
@@ -249,13 +273,20 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "outputs" / "bench_learning_speed"))
     p.add_argument("--result", default="")
     p.add_argument("overrides", nargs="*", help="overrides for every lane (after each lane's own)")
+    p.add_argument("--merge", nargs="+", default=[], metavar="JSON",
+                   help="combine earlier results of this pair (e.g. one file per seed) into --result")
+    p.add_argument("--start-from", default="",
+                   help="DIR with one warm-started policy per seed as DIR/*_<seed>_t1 (sft_reliability.py --save-dir)")
     args = p.parse_args()
+    if args.merge:
+        return merge(args)
     for lane in args.pair:
         if lane != "trl" and lane not in LANES:
             raise SystemExit(f"unknown lane {lane!r}; choose from {sorted(LANES)} or trl")
     t0 = time.perf_counter()
     rows = []
     for seed in args.seeds:
+        link_start(seed, args)
         rows += run_pair(seed, args.pair, args)
         for r in rows[-2:]:
             print(f"seed {seed} {r['lane']}: {r['curve'][0]['val']:.3f} -> {r['curve'][-1]['val']:.3f} "

@@ -52,7 +52,7 @@ def schedule_overrides(name: str) -> list[str]:
     raise SystemExit(f"--schedule {name!r}: choose default or sweep")
 
 
-def one_run(seed: int, variant: str, overrides: list[str]) -> dict:
+def one_run(seed: int, variant: str, overrides: list[str], save_dir: str = "") -> dict:
     """In this process: the warm-start for `seed` under `variant`, then greedy val; prints its probe lines."""
     import torch
 
@@ -69,6 +69,11 @@ def one_run(seed: int, variant: str, overrides: list[str]) -> dict:
     torch.manual_seed(seed)  # as rlhf.train does before it builds the policy
     splits = make_splits(cfg.data.synthetic)
     model, tok, m = warm_start(cfg, splits["sft"])
+    if save_dir:  # e.g. the start of benchmarks/learning_speed.py for this seed
+        from rlhf.models.load import save_model_atomic
+
+        save_model_atomic(model, tok, save_dir)
+        (Path(save_dir) / "sft_metrics.json").write_text(json.dumps(m))
     torch.set_float32_matmul_precision("highest")  # validation itself unperturbed
     val = evaluate_greedy(HFRolloutEngine(model, tok, batch_size=256), tok, splits["val"],
                           cfg.data.max_prompt_length, cfg.data.max_response_length, cfg.reward)
@@ -78,10 +83,16 @@ def one_run(seed: int, variant: str, overrides: list[str]) -> dict:
             "reached_target": m.get("sft/probe_accuracy", 0.0) >= sft.stop_at_accuracy}
 
 
-def launch(seed: int, variant: str, args) -> subprocess.Popen:
+def launch(seed: int, variant: str, args) -> tuple[subprocess.Popen, Path]:
+    """The run as a child process whose output goes to `<logdir>/<schedule>_<seed>_<variant>.log`."""
     cmd = [sys.executable, __file__, "--one", str(seed), variant, "--schedule", args.schedule, *args.overrides]
+    if args.save_dir:
+        cmd[5:5] = ["--save-dir", str(Path(args.save_dir) / f"{args.schedule}_{seed}_{variant}")]
     env = {**os.environ, "OMP_NUM_THREADS": str(VARIANTS[variant][0])}
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    log = Path(args.logdir) / f"{args.schedule}_{seed}_{variant}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, env=env), log
 
 
 def parse(seed: int, variant: str, out: str, level: float) -> dict:
@@ -96,20 +107,23 @@ def parse(seed: int, variant: str, out: str, level: float) -> dict:
     return row
 
 
-def run_all(args) -> list[dict]:
-    pending = [(s, v) for v in args.variants for s in args.seeds]
+def run_all(args, write) -> list[dict]:
+    """Every (seed, variant) run, `--jobs` at a time; `write(rows)` after each one ends."""
+    pending = [(int(r.split(":")[0]), r.split(":")[1]) for r in args.runs] if args.runs else \
+        [(s, v) for v in args.variants for s in args.seeds]
     running, rows = [], []
     while pending or running:
         while pending and len(running) < args.jobs:
             s, v = pending.pop(0)
-            running.append((s, v, launch(s, v, args)))
-        s, v, proc = running.pop(0)
-        out, _ = proc.communicate()
-        row = parse(s, v, out, args.phase_level)
+            running.append((s, v, *launch(s, v, args)))
+        s, v, proc, log = running.pop(0)
+        proc.wait()
+        row = parse(s, v, log.read_text(), args.phase_level)
         print(f"{args.schedule} seed {s} {v}: steps {row['steps']} phase at {row['phase_step']} "
               f"train {row['train_probe_accuracy']:.3f} val {row['val_accuracy']:.3f} "
               f"({row['seconds']:.0f}s)", flush=True)
         rows.append(row)
+        write(rows)
     return rows
 
 
@@ -134,30 +148,38 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--phase-level", type=float, default=0.2,
                    help="probe accuracy that marks the phase change (before it the probe stays near 0)")
+    p.add_argument("--runs", nargs="+", default=[], metavar="SEED:VARIANT",
+                   help="explicit runs, in order (instead of every seed x variant)")
+    p.add_argument("--save-dir", default="", help="save each warm-started policy under DIR/<schedule>_<seed>_<variant>")
     p.add_argument("--one", nargs=2, metavar=("SEED", "VARIANT"), help=argparse.SUPPRESS)
     p.add_argument("--result", default="")
+    p.add_argument("--logdir", default=str(ROOT / "outputs" / "sft_reliability"), help="each run's output")
     p.add_argument("overrides", nargs="*", help="extra config overrides after the schedule's")
     args = p.parse_args()
     if args.one:
-        print(json.dumps(one_run(int(args.one[0]), args.one[1], schedule_overrides(args.schedule) + args.overrides)))
+        print(json.dumps(one_run(int(args.one[0]), args.one[1], schedule_overrides(args.schedule) + args.overrides,
+                                 args.save_dir)))
         return
     t0 = time.perf_counter()
-    rows = run_all(args)
+    out = Path(args.result or ROOT / "benchmarks" / "results" / f"sft_reliability_{args.schedule}.json")
+    run_all(args, lambda rows: write_result(out, args, rows, time.perf_counter() - t0))
+    print(out.read_text().split('"runs"')[0])
+
+
+def write_result(out: Path, args, rows: list[dict], wall_s: float) -> None:
     import torch
     import transformers
 
     result = {"benchmark": "sft_reliability", "schedule": args.schedule,
-              "command": " ".join(["python"] + sys.argv), "wall_s": time.perf_counter() - t0,
+              "command": " ".join(["python"] + sys.argv), "wall_s": wall_s,
               "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
                           "python": platform.python_version(), "torch": torch.__version__,
                           "transformers": transformers.__version__},
               "schedule_overrides": schedule_overrides(args.schedule), "overrides": args.overrides,
               "variants": {k: {"threads": t, "float32_matmul_precision": m} for k, (t, m) in VARIANTS.items()},
               "phase_level": args.phase_level, "summary": summary(rows), "runs": rows}
-    out = Path(args.result or ROOT / "benchmarks" / "results" / f"sft_reliability_{args.schedule}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result["summary"], indent=2))
 
 
 if __name__ == "__main__":

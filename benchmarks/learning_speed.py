@@ -242,12 +242,23 @@ def at_samples(curve: list[dict], samples: int) -> float:
     return next((c["val"] for c in curve if c["samples"] >= samples), curve[-1]["val"])
 
 
+def mean_gain_over_time(curve: list[dict]) -> float:
+    """Time-average of (val - start) over the training clock, val held between evaluations:
+    rewards learning early as well as ending high, and is less noisy than the last point."""
+    area = sum((b["clock_s"] - a["clock_s"]) * a["val"] for a, b in zip(curve, curve[1:]))
+    return area / curve[-1]["clock_s"] - curve[0]["val"]
+
+
 def summarize(rows: list[dict], pair: list[str]) -> dict:
     out = {}
     for lane in pair:
         mine = [r for r in rows if r["lane"] == lane]
         gains = [r["curve"][-1]["val"] - r["curve"][0]["val"] for r in mine]
+        last3 = [st.mean(c["val"] for c in r["curve"][-3:]) - r["curve"][0]["val"] for r in mine]
+        over_time = [mean_gain_over_time(r["curve"]) for r in mine]
         out[lane] = {"mean_gain_at_wall": st.mean(gains), "gains": gains,
+                     "mean_gain_last3_evals": st.mean(last3), "gain_last3_evals": last3,
+                     "mean_gain_over_time": st.mean(over_time), "gain_over_time": over_time,
                      "start": [r["curve"][0]["val"] for r in mine], "end": [r["curve"][-1]["val"] for r in mine],
                      "samples_at_wall": [r["curve"][-1]["samples"] for r in mine],
                      "clock_s": [r["curve"][-1]["clock_s"] for r in mine]}

@@ -88,7 +88,8 @@ def launch(seed: int, variant: str, args) -> tuple[subprocess.Popen, Path]:
     cmd = [sys.executable, __file__, "--one", str(seed), variant, "--schedule", args.schedule, *args.overrides]
     if args.save_dir:
         cmd[5:5] = ["--save-dir", str(Path(args.save_dir) / f"{args.schedule}_{seed}_{variant}")]
-    env = {**os.environ, "OMP_NUM_THREADS": str(VARIANTS[variant][0])}
+    # Passive OpenMP waits: spinning threads crawl on a CPU shared with other jobs (same arithmetic).
+    env = {**os.environ, "OMP_NUM_THREADS": str(VARIANTS[variant][0]), "OMP_WAIT_POLICY": "PASSIVE"}
     log = Path(args.logdir) / f"{args.schedule}_{seed}_{variant}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:
@@ -127,6 +128,16 @@ def run_all(args, write) -> list[dict]:
     return rows
 
 
+def rows_from_logs(args) -> list[dict]:
+    """The rows of every finished run whose log is in `--logdir` (runs of earlier launches)."""
+    rows = []
+    for log in sorted(Path(args.logdir).glob(f"{args.schedule}_*_*.log")):
+        seed, variant = log.stem.split("_", 2)[1:]
+        if '"steps"' in log.read_text():
+            rows.append(parse(int(seed), variant, log.read_text(), args.phase_level))
+    return sorted(rows, key=lambda r: (list(VARIANTS).index(r["variant"]), r["seed"]))
+
+
 def summary(rows: list[dict]) -> dict:
     import statistics as st
 
@@ -151,6 +162,8 @@ def main() -> None:
     p.add_argument("--runs", nargs="+", default=[], metavar="SEED:VARIANT",
                    help="explicit runs, in order (instead of every seed x variant)")
     p.add_argument("--save-dir", default="", help="save each warm-started policy under DIR/<schedule>_<seed>_<variant>")
+    p.add_argument("--from-logs", action="store_true",
+                   help="write the result from the finished runs' logs in --logdir (no new runs)")
     p.add_argument("--one", nargs=2, metavar=("SEED", "VARIANT"), help=argparse.SUPPRESS)
     p.add_argument("--result", default="")
     p.add_argument("--logdir", default=str(ROOT / "outputs" / "sft_reliability"), help="each run's output")
@@ -162,11 +175,14 @@ def main() -> None:
         return
     t0 = time.perf_counter()
     out = Path(args.result or ROOT / "benchmarks" / "results" / f"sft_reliability_{args.schedule}.json")
-    run_all(args, lambda rows: write_result(out, args, rows, time.perf_counter() - t0))
+    if args.from_logs:
+        write_result(out, args, rows_from_logs(args), wall_s=None)
+    else:
+        run_all(args, lambda rows: write_result(out, args, rows, time.perf_counter() - t0))
     print(out.read_text().split('"runs"')[0])
 
 
-def write_result(out: Path, args, rows: list[dict], wall_s: float) -> None:
+def write_result(out: Path, args, rows: list[dict], wall_s: float | None) -> None:
     import torch
     import transformers
 
@@ -177,7 +193,10 @@ def write_result(out: Path, args, rows: list[dict], wall_s: float) -> None:
                           "transformers": transformers.__version__},
               "schedule_overrides": schedule_overrides(args.schedule), "overrides": args.overrides,
               "variants": {k: {"threads": t, "float32_matmul_precision": m} for k, (t, m) in VARIANTS.items()},
-              "phase_level": args.phase_level, "summary": summary(rows), "runs": rows}
+              "phase_level": args.phase_level, "summary": summary(rows),
+              "by_variant": {v: summary([r for r in rows if r["variant"] == v])
+                             for v in VARIANTS if any(r["variant"] == v for r in rows)},
+              "runs": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
 

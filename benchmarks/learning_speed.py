@@ -37,7 +37,9 @@ sys.path.insert(0, str(ROOT))
 LANES: dict[str, list[str]] = {
     "default": [],
     "gae_t1": ["rollout.temperature=1.0"],
-    "grpo": ["algorithm.adv_estimator=grpo"],
+    "grpo": ["algorithm.adv_estimator=grpo"],  # here GRPO's advantages ignore the in-reward KL: no KL term
+    # verl's GRPO recipe: the KL to the reference as a loss term instead of in the reward
+    "grpo_klloss": ["algorithm.adv_estimator=grpo", "actor.use_kl_loss=true", "algorithm.use_kl_in_reward=false"],
     "grpo_t1": ["algorithm.adv_estimator=grpo", "rollout.temperature=1.0"],
     "grpo_lr5e-4": ["algorithm.adv_estimator=grpo", "actor.lr=5e-4"],
     "grpo_t1_lr5e-4": ["algorithm.adv_estimator=grpo", "rollout.temperature=1.0", "actor.lr=5e-4"],

@@ -179,6 +179,7 @@ def test_default_warm_start_reaches_its_phase_change_well_inside_the_step_cap(se
 
     cfg = load_config(None, [f"trainer.seed={seed}", f"model.sft.num_threads={threads}"])
     sft = cfg.model.sft
+    torch.manual_seed(seed)  # as rlhf.train does before it builds the policy
     model, tok, m = warm_start(cfg, make_splits(cfg.data.synthetic)["sft"], progress=False)
     assert m["sft/probe_accuracy"] >= sft.stop_at_accuracy, m
     assert m["sft/steps"] <= sft.max_steps // 2, f"phase change at step {m['sft/steps']}, cap {sft.max_steps}"

@@ -10,6 +10,8 @@ numeric variants that change those details the way another machine would:
   t2       two torch threads (another reduction order in every matmul and reduction)
   mm_bf16  one thread, `torch.set_float32_matmul_precision("medium")` (bf16 matmuls where
            the CPU has them: a much larger perturbation than any machine difference)
+  avx2     one thread, torch, MKL and oneDNN kernels held to AVX2 (the code paths of a CPU
+           without AVX-512: another machine's floating-point details, on this one)
 
 and records, per run: the steps it took, whether it stopped on its accuracy target (inside
 the step cap) or on the cap, the first probe step at or above `--phase-level`, and greedy
@@ -37,7 +39,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = {"t1": (1, "highest"), "t2": (2, "highest"), "mm_bf16": (1, "medium")}
+# name: (torch threads, float32 matmul precision, environment of the run)
+AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+VARIANTS = {"t1": (1, "highest", {}), "t2": (2, "highest", {}), "mm_bf16": (1, "medium", {}),
+            "avx2": (1, "highest", AVX2_ONLY)}
 PROBE_LINE = re.compile(r"sft step (\d+) greedy accuracy on \d+ training problems ([0-9.]+)")
 
 
@@ -56,7 +61,7 @@ def one_run(seed: int, variant: str, overrides: list[str], save_dir: str = "") -
     """In this process: the warm-start for `seed` under `variant`, then greedy val; prints its probe lines."""
     import torch
 
-    threads, precision = VARIANTS[variant]
+    threads, precision, _ = VARIANTS[variant]
     torch.set_num_threads(threads)
     torch.set_float32_matmul_precision(precision)
     from rlhf.config import load_config
@@ -89,7 +94,8 @@ def launch(seed: int, variant: str, args) -> tuple[subprocess.Popen, Path]:
     if args.save_dir:
         cmd[5:5] = ["--save-dir", str(Path(args.save_dir) / f"{args.schedule}_{seed}_{variant}")]
     # Passive OpenMP waits: spinning threads crawl on a CPU shared with other jobs (same arithmetic).
-    env = {**os.environ, "OMP_NUM_THREADS": str(VARIANTS[variant][0]), "OMP_WAIT_POLICY": "PASSIVE"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(VARIANTS[variant][0]), "OMP_WAIT_POLICY": "PASSIVE",
+           **VARIANTS[variant][2]}
     log = Path(args.logdir) / f"{args.schedule}_{seed}_{variant}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:
@@ -192,7 +198,8 @@ def write_result(out: Path, args, rows: list[dict], wall_s: float | None) -> Non
                           "python": platform.python_version(), "torch": torch.__version__,
                           "transformers": transformers.__version__},
               "schedule_overrides": schedule_overrides(args.schedule), "overrides": args.overrides,
-              "variants": {k: {"threads": t, "float32_matmul_precision": m} for k, (t, m) in VARIANTS.items()},
+              "variants": {k: {"threads": t, "float32_matmul_precision": m, "env": e}
+                           for k, (t, m, e) in VARIANTS.items()},
               "phase_level": args.phase_level, "summary": summary(rows),
               "by_variant": {v: summary([r for r in rows if r["variant"] == v])
                              for v in VARIANTS if any(r["variant"] == v for r in rows)},

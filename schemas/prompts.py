@@ -27,6 +27,21 @@ FINISH_REASONS = ("stop", "length")
 
 GROUND_TRUTH_CHECK = "ground_truth set (not null) when reward_style is rule"
 LOGPROBS_CHECK = "rollout_logprobs has one value per response token (or is '[]')"
+
+
+def logprobs_match_response(df: pd.DataFrame) -> pd.Series:
+    """Per row: `rollout_logprobs` (a JSON list) holds one value per `response_ids` token, or
+    none (`[]`: the engine gave no log-probs)."""
+    def ok(ids: str, lps: str) -> bool:
+        try:
+            n_lp = len(json.loads(lps))
+            return n_lp == 0 or n_lp == len(json.loads(ids))
+        except (TypeError, ValueError):
+            return False
+
+    return pd.Series([ok(i, lp) for i, lp in zip(df["response_ids"], df["rollout_logprobs"])], index=df.index)
+
+
 # Row-wise checks over several columns, and the column each one is about (for error messages).
 DATAFRAME_CHECK_COLUMNS = {GROUND_TRUTH_CHECK: "ground_truth", LOGPROBS_CHECK: "rollout_logprobs"}
 
@@ -113,14 +128,7 @@ class RolloutSchema(PromptSchema):
 
     @pa.dataframe_check(name=LOGPROBS_CHECK)
     def _logprobs_match_response(cls, df: pd.DataFrame) -> Series[bool]:
-        def ok(ids: str, lps: str) -> bool:
-            try:
-                n_lp = len(json.loads(lps))
-                return n_lp == 0 or n_lp == len(json.loads(ids))
-            except (TypeError, ValueError):
-                return False
-
-        return pd.Series([ok(i, lp) for i, lp in zip(df["response_ids"], df["rollout_logprobs"])], index=df.index)
+        return logprobs_match_response(df)
 
     class Config:
         strict = True

@@ -20,14 +20,13 @@ Optional columns and what their absence means:
 
 from __future__ import annotations
 
-import json
 from typing import Optional
 
 import pandas as pd
 import pandera.pandas as pa
 from pandera.typing import Series
 
-from schemas.prompts import FINISH_REASONS, LOGPROBS_CHECK, PromptSchema, _is_json
+from schemas.prompts import FINISH_REASONS, LOGPROBS_CHECK, PromptSchema, _is_json, logprobs_match_response
 
 
 class StoredRolloutSchema(PromptSchema):
@@ -51,15 +50,7 @@ class StoredRolloutSchema(PromptSchema):
     def _logprobs_match_response(cls, df: pd.DataFrame) -> Series[bool]:
         if "rollout_logprobs" not in df or "response_ids" not in df:
             return pd.Series(True, index=df.index)
-
-        def ok(ids: str, lps: str) -> bool:
-            try:
-                n_lp = len(json.loads(lps))
-                return n_lp == 0 or n_lp == len(json.loads(ids))
-            except (TypeError, ValueError):
-                return False
-
-        return pd.Series([ok(i, lp) for i, lp in zip(df["response_ids"], df["rollout_logprobs"])], index=df.index)
+        return logprobs_match_response(df)
 
     class Config:
         strict = True

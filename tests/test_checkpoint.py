@@ -244,8 +244,10 @@ def test_prune_keeps_the_newest_save_points_and_the_newest_checkpoint(tmp_path):
 def test_save_freq_value_is_checked():
     from rlhf.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match=r"trainer.save_freq must be >= 1 .* or -1"):
-        load_config(None, ["trainer.save_freq=0"])
+    for bad in ("0", "-2"):
+        with pytest.raises(ConfigError, match=r"'trainer.save_freq' is -?\d+; it must be in -1 or \[1, inf\)"):
+            load_config(None, [f"trainer.save_freq={bad}"])
+    assert load_config(None, ["trainer.save_freq=-1"]).trainer.save_freq == -1
 
 
 def test_in_process_driver_saves_at_save_freq_and_keeps_max_ckpt_to_keep(tmp_path, base_model):  # noqa: F811

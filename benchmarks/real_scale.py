@@ -43,7 +43,7 @@ import torch  # noqa: E402
 import gpu_common as G  # noqa: E402
 
 
-WORKLOAD = {  # the measurement, one H200
+WORKLOAD = {  # the 1.5B round measured on one H200
     "data.train_batch_size": 64, "rollout.n": 4, "data.max_prompt_length": 512, "data.max_response_length": 256,
     "actor.ppo_mini_batch_size": 64, "actor.ppo_micro_batch_size_per_gpu": 4,
     "critic.ppo_micro_batch_size_per_gpu": 4, "actor.use_dynamic_bsz": True, "actor.ppo_max_token_len_per_gpu": 16384,

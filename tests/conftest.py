@@ -37,7 +37,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log_path, timeout: float) ->
 def mlflow_server(tmp_path_factory):
     """URL of a real MLflow tracking server: $MLFLOW_TRACKING_URI when it is http(s)://,
     else `mlflow server` started here on a free loopback port with a SQLite store under
-    .cache/mlflow/ (stopped at the end of the session)."""
+    .cache/mlflow/ (stopped when the test run ends)."""
     uri = os.environ.get("MLFLOW_TRACKING_URI", "")
     if uri.startswith(("http://", "https://")):
         yield uri

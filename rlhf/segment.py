@@ -60,8 +60,9 @@ def segment_starts(cfg: PPOConfig) -> list[int]:
 def should_save(cfg: PPOConfig, rounds_done: int, end: int) -> bool:
     """An intratask checkpoint after round `rounds_done`: every `trainer.save_freq` rounds
     (counted from the run's start, so a retry and an uninterrupted run save the same rounds),
-    never at the segment's end, which writes its own."""
-    return cfg.trainer.save_freq > 0 and rounds_done % cfg.trainer.save_freq == 0 and rounds_done < end
+    never at the segment's end, which writes its own (and before the run's last round, so
+    `is_save_point`'s last-round rule never applies here)."""
+    return rounds_done < end and ckpt.is_save_point(cfg.trainer, rounds_done)
 
 
 def run_segment(cfg: PPOConfig, base_dir: str, train: pd.DataFrame, val: pd.DataFrame,

@@ -16,20 +16,8 @@ from rlhf import pipeline as P
 from rlhf.config import load_config
 from rlhf.segment import segment_end, segment_starts, should_save
 from rlhf.state import RoundState
-from test_pipeline import cfg_for
+from test_pipeline import _no_flyte_cache, base_model, cfg_for  # noqa: F401 (fixtures)
 from test_trainer import TINY
-
-
-@pytest.fixture(autouse=True)
-def _no_flyte_cache(monkeypatch):
-    monkeypatch.setenv("FLYTE_LOCAL_CACHE_ENABLED", "false")
-
-
-@pytest.fixture(scope="module")
-def base_model(tmp_path_factory) -> str:
-    cfg = load_config(None, TINY)
-    data = P.prepare_dataset(cfg.data)
-    return P.prepare_base_model(cfg.model, cfg.trainer.seed, data.sft, str(tmp_path_factory.mktemp("base") / "m"))
 
 
 def test_segments_cover_the_rounds_in_blocks_of_k():

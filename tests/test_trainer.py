@@ -235,6 +235,7 @@ def test_round_with_vllm_rollout_pushes_new_weights(tmp_path):
     try:
         r.round()
         ckpt_dir = r.save()
+        r.flush()  # the checkpoint is written in the background
         prompts = stages.tokenize(r.data.val.head(16), r.tokenizer, cfg)
         greedy = SamplingParams(n=1, temperature=0.0, max_tokens=cfg.data.max_response_length)
         served = r.engine.generate(prompts, greedy).response_ids

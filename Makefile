@@ -71,7 +71,7 @@ test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow and not vllm" $(PYTEST_ARGS)
 
 sft: setup
-	$(BIN)/python -m rlhf.sft_main $(ARGS)
+	$(BIN)/python -m rlhf.train.sft $(ARGS)
 
 ## Pin every package .venv holds into requirements.lock (after `make setup setup-vllm`).
 lock: setup setup-vllm

@@ -64,7 +64,7 @@ def lane_config(lane: str, seed: int, out_dir: Path, overrides: list[str]):
 
 def val_accuracy(model, tok, cfg, val) -> float:
     """Greedy accuracy on the held-out split, the model left as it was found (train/eval)."""
-    from rlhf.evaluate import evaluate_greedy
+    from rlhf.round.evaluate import evaluate_greedy
     from rlhf.rollout.hf import HFRolloutEngine
 
     was_training = model.training
@@ -112,7 +112,7 @@ def trl_lane(lane: str, seed: int, out_dir: str, seconds: float, overrides: list
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlhf import stages
+    from rlhf.round import stages
     from rlhf.models.load import load_tokenizer
     from rlhf.rewards import compute_scores
 
@@ -179,7 +179,7 @@ def warm_start(seed: int, root: Path, overrides: list[str]) -> Path:
     """The default run's SFT warm-start for `seed`, built once under `root`."""
     import torch
 
-    from rlhf import stages
+    from rlhf.round import stages
 
     cfg = lane_config("default", seed, root, overrides)
     torch.set_num_threads(1)

@@ -35,11 +35,11 @@ sys.path.insert(0, str(ROOT))
 def continue_sft(cfg, base_dir: str, seed: int, stop, started, result) -> None:
     """Child process: SFT on the labeled split from `base_dir` until `stop` is set, then greedy val."""
     torch.set_num_threads(1)
-    from rlhf import stages
-    from rlhf.evaluate import evaluate_greedy
-    from rlhf.models.default import sft_targets
+    from rlhf.round import stages
+    from rlhf.round.evaluate import evaluate_greedy
+    from rlhf.trainer.default_policy import sft_targets
     from rlhf.models.load import load_causal_lm, load_tokenizer
-    from rlhf.models.sft import sft_warm_start
+    from rlhf.trainer.sft import sft_warm_start
     from rlhf.rollout.hf import HFRolloutEngine
 
     data = stages.prepare_data(cfg)
@@ -57,7 +57,7 @@ def continue_sft(cfg, base_dir: str, seed: int, stop, started, result) -> None:
 
 
 def one_seed(seed: int, overrides: list[str], out_root: Path) -> dict:
-    from rlhf import stages
+    from rlhf.round import stages
     from rlhf.config import load_config
     from rlhf.train import train
 

@@ -157,7 +157,7 @@ def warm_start(model_dir: str, data_dir: str, s: dict, out: Path, device) -> dic
     the accuracy after it; the warm-started policy saved as `<out>/sft_model`."""
     from rlhf.config import SFTConfig
     from rlhf.models.load import load_causal_lm, load_tokenizer, save_model_atomic
-    from rlhf.models.sft import sft_warm_start
+    from rlhf.trainer.sft import sft_warm_start
 
     tok = load_tokenizer(model_dir)
     model = load_causal_lm(model_dir, dtype="float32", device=device)

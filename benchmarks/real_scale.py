@@ -11,9 +11,9 @@ critic, packing and dynamic batch size, validation every round, `trainer.save_fr
 
 - `in_process`: `rlhf.train.Run` (what `python -m rlhf.train` runs), `--rounds` rounds;
 - `staged`: the stateless functions the one-task-per-stage Flyte workflow calls
-  (`rlhf.pipeline`: rollout_policy, score_rollouts, update_from_checkpoint,
+  (`rlhf.train.stateless`: rollout_policy, score_rollouts, update_from_checkpoint,
   evaluate_policy), `--staged-rounds` rounds, every function loading what it needs;
-- `colocated`: `rlhf.segment.run_segment`, the loop of a colocated Flyte segment task
+- `colocated`: `rlhf.train.segment.run_segment`, the loop of a colocated Flyte segment task
   (see `run_colocated` for the call it gets); otherwise the section says it was skipped.
 
 Per round: wall and its parts (sample, rollout, score, update, evaluate, checkpoint; for
@@ -187,7 +187,7 @@ def one_checkpoint_on_disk() -> None:
     """Make every save first delete the checkpoints already there: on a machine whose disk
     (or RAM, for /dev/shm) holds one 1.5B checkpoint and no second, the newest stays only
     until the next one starts. (A run keeps the last one until the new one is sealed.)"""
-    from rlhf import checkpoint as ckpt
+    from rlhf.round import checkpoint as ckpt
 
     save = ckpt.save
 
@@ -239,9 +239,9 @@ STAGED_COMPUTE = ("generate", "score", "timing_s/update", "evaluate_generate")
 def run_staged(cfg, rounds: int, device: torch.device, outs: list[Path]) -> dict:
     """The stateless functions, one after another as the Flyte tasks call them: each loads
     its model or checkpoint, builds its engine, runs, and writes what the next one reads."""
-    from rlhf import pipeline as P
-    from rlhf import stages
-    from rlhf.state import RoundState
+    from rlhf.train import stateless as P
+    from rlhf.round import stages
+    from rlhf.round.state import RoundState
 
     data = P.prepare_dataset(cfg.data)
     base = cfg.model.path
@@ -280,17 +280,17 @@ def run_staged(cfg, rounds: int, device: torch.device, outs: list[Path]) -> dict
 
 
 def run_colocated(cfg, rounds: int, device: torch.device) -> dict:
-    """`rlhf.segment.run_segment`, as the colocated Flyte task calls it: one segment of
+    """`rlhf.train.segment.run_segment`, as the colocated Flyte task calls it: one segment of
     `rounds` rounds from the base policy (tables prepared and fitted first, as the data
     tasks do), its checkpoints every `save_freq` rounds written, sealed and handed to the
     upload callback in the writer's thread, and the segment's closing checkpoint waited for
     (the task returns it)."""
     import dataclasses
 
-    from rlhf import stages
+    from rlhf.round import stages
     from rlhf.models.load import load_tokenizer
-    from rlhf.segment import run_segment
-    from rlhf.state import RoundState
+    from rlhf.train.segment import run_segment
+    from rlhf.round.state import RoundState
 
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, rounds_per_segment=rounds))
     t = time.perf_counter()

@@ -66,8 +66,8 @@ def one_run(seed: int, variant: str, overrides: list[str], save_dir: str = "") -
     torch.set_float32_matmul_precision(precision)
     from rlhf.config import load_config
     from rlhf.data.arithmetic import make_splits
-    from rlhf.evaluate import evaluate_greedy
-    from rlhf.models.default import warm_start
+    from rlhf.round.evaluate import evaluate_greedy
+    from rlhf.trainer.default_policy import warm_start
     from rlhf.rollout.hf import HFRolloutEngine
 
     cfg = load_config(None, [f"trainer.seed={seed}", f"model.sft.num_threads={threads}", *overrides])

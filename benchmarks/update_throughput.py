@@ -71,7 +71,7 @@ def base_overrides(a, world: int) -> list[str]:
 
 
 def run_ours(a, variant: str) -> dict:
-    from rlhf import stages
+    from rlhf.round import stages
     from rlhf.config import derive_sizes, load_config
     from rlhf.trainer import dist as D
     from rlhf.trainer.engines import prepare_module
@@ -142,7 +142,7 @@ def rank_split(cfg, rows, lengths: list[int], world: int) -> dict:
     get); `rank_token_imbalance` is the worst mini-batch's heaviest rank over the mean."""
     import dataclasses
 
-    from rlhf import stages
+    from rlhf.round import stages
     from rlhf.config import derive_sizes
 
     w = max(world, 2)
@@ -179,11 +179,11 @@ def one_step(trainer, buf, device):
 
 
 def profile_step(a, variant: str, trainer, buf, device, rank: int) -> dict:
-    """One more step under the `trainer.profile_steps` machinery (rlhf.profiling), its trace
+    """One more step under the `trainer.profile_steps` machinery (rlhf.tracking.profiling), its trace
     read back into stage busy fractions and top kernels (trace_summary)."""
     import trace_summary
 
-    from rlhf.profiling import StepProfiler
+    from rlhf.tracking.profiling import StepProfiler
     from rlhf.trainer import dist as D
 
     rows = min(len(buf), a.profile_prompts * a.n // D.world()[1]) if a.profile_prompts else len(buf)

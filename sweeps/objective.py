@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-# Stop reasons (from rlhf.state.decide) that mean the run diverged rather than converged.
+# Stop reasons (from rlhf.round.state.decide) that mean the run diverged rather than converged.
 DIVERGENCE_MARKERS = ("above the ceiling", "above target_kl", "non-finite")
 
 

@@ -33,14 +33,14 @@ from flytekit.types.file import FlyteFile
 
 from containers.images import CPU_IMAGE
 from rlhf.config import PPOConfig, load_config
-from rlhf.state import RoundState
+from rlhf.round.state import RoundState
 from sweeps import report as R
 from sweeps.budget import next_batch_size, rounds_spent
 from sweeps.confirm import DEFAULT_LABEL, ConfirmRow, ConfirmRun, ConfirmSpec, Confirmed, decide
 from sweeps.steps import (SweepConfig, check_sweep_for, close_trial_run, confirm_rows, enqueue_default, mlflow_sink,
                           open_confirm_run, open_parent_run, open_trial_run, plan_batch, plan_confirm, tell)
 from sweeps.study import StudySpec, open_study, storage_url
-from sweeps.trial import TrialContext
+from rlhf.tracking.trial import TrialContext
 from tasks.base import CPU_SMALL, DECK_FIELDS, TRACKING_SECRETS, Prompts
 from tasks.data import fit_prompts, prepare_policy, rounds_from_epochs
 from tasks.run import check_config, report

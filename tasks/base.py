@@ -20,7 +20,7 @@ from flytekit.extras.accelerators import H100
 from flytekit.types.directory import FlyteDirectory
 from pandera.typing import DataFrame
 
-from rlhf.config_doc import describe_fields
+from rlhf.config.doc import describe_fields
 from schemas import PromptSchema, RolloutSchema, ScoredRolloutSchema
 
 # Before any task's interface is built: each config key's meaning (its comment, as in

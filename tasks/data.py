@@ -9,10 +9,10 @@ from flytekit import Cache, task
 from flytekit.types.directory import FlyteDirectory
 
 from containers.images import CPU_IMAGE
-from rlhf import pipeline as P
-from rlhf import stages
+from rlhf.train import stateless as P
+from rlhf.round import stages
 from rlhf.config import DataConfig, ModelConfig, PPOConfig, resolve_epochs
-from rlhf.state import RoundState
+from rlhf.round.state import RoundState
 from tasks.base import CACHE_VERSION, CPU_MEDIUM, CPU_SMALL, Prompts, retry_transient, workdir
 
 Splits = NamedTuple("Splits", [("train", Prompts), ("val", Prompts), ("sft", Prompts)])
@@ -60,7 +60,7 @@ Fitted = NamedTuple("Fitted", [("train", Prompts), ("val", Prompts)])
 def fit_prompts(cfg: PPOConfig, train: Prompts, val: Prompts, policy: FlyteDirectory) -> Fitted:
     """The train and val prompts that fit in `data.max_prompt_length` tokens of the policy's
     tokenizer when `data.filter_overlong_prompts` (the rest dropped and counted in the log)."""
-    from rlhf.data_checks import check_fit
+    from rlhf.data.checks import check_fit
     from rlhf.models.load import load_tokenizer
 
     if cfg.data.filter_overlong_prompts:

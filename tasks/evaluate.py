@@ -8,12 +8,12 @@ from flytekit import Deck, dynamic, task
 from flytekit.types.directory import FlyteDirectory
 
 from containers.images import CPU_IMAGE, GPU_IMAGE
-from rlhf import pipeline as P
-from rlhf import stages
+from rlhf.train import stateless as P
+from rlhf.round import stages
 from rlhf.config import PPOConfig
-from rlhf.plots import metrics_html, training_html
-from rlhf.state import RoundState, decide as decide_stop
-from sweeps.trial import TrialContext, check_pruning
+from rlhf.tracking.plots import metrics_html, training_html
+from rlhf.round.state import RoundState, decide as decide_stop
+from rlhf.tracking.trial import TrialContext, check_pruning
 from tasks.base import (CPU_SMALL, DECK, DECK_FIELDS, GPU, GPU_RETRIES, TRACKING_SECRETS, Prompts, gpu_resources,
                         launch_seconds, local_copy, retry_transient)
 
@@ -88,7 +88,7 @@ def print_round(cfg: PPOConfig, state: RoundState, steps: list[dict[str, float]]
     this process, else (a task's own pod, the first round) from this round's stage timings."""
     import time
 
-    from rlhf.progress import print_line, round_line, round_seconds
+    from rlhf.tracking.progress import print_line, round_line, round_seconds
 
     now = time.monotonic()
     if not _FIRST_LINE or state.round <= _FIRST_LINE[0][1]:

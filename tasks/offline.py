@@ -6,10 +6,10 @@ from flytekit import task
 from flytekit.types.directory import FlyteDirectory
 
 from containers.images import CPU_IMAGE
-from rlhf import pipeline as P
-from rlhf import stages
+from rlhf.train import stateless as P
+from rlhf.round import stages
 from rlhf.config import ConfigError, PPOConfig, replace
-from rlhf.state import RoundState
+from rlhf.round.state import RoundState
 from tasks.base import CPU_MEDIUM, CPU_SMALL, Scored, retry_transient
 
 
@@ -17,7 +17,7 @@ from tasks.base import CPU_MEDIUM, CPU_SMALL, Scored, retry_transient
 def offline_rollout(cfg: PPOConfig, policy: FlyteDirectory, state: RoundState) -> Scored:
     """Round `state.round`'s block of the stored rollouts (`data.rollout_files`), scored where
     the table has no score; `policy` gives the tokenizer for rows stored as text only."""
-    from rlhf.offline import offline_rollouts
+    from rlhf.round.offline import offline_rollouts
 
     with retry_transient():
         reward_model = stages.load_reward_model(cfg, P.pick_device(cfg))

@@ -9,9 +9,9 @@ from flytekit import task
 from flytekit.types.directory import FlyteDirectory
 
 from containers.images import CPU_IMAGE
-from rlhf import model_registry as R
+from rlhf.tracking import model_registry as R
 from rlhf.config import PPOConfig, derive_sizes, replace
-from rlhf.tracking import default_tracking_uri
+from rlhf.tracking.sinks import default_tracking_uri
 from tasks.base import CPU_SMALL, TRACKING_SECRETS, retry_transient, workdir
 
 Champion = NamedTuple("Champion", [("found", bool), ("version", str), ("val_score", float)])

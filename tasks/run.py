@@ -12,19 +12,19 @@ from flytekit.types.directory import FlyteDirectory
 from flytekit.types.error import FlyteError
 
 from containers.images import CPU_IMAGE
-from rlhf import pipeline as P
+from rlhf.train import stateless as P
 from rlhf.config import PPOConfig, derive_sizes, replace
-from rlhf.plots import training_html
-from rlhf.state import RoundState
+from rlhf.tracking.plots import training_html
+from rlhf.round.state import RoundState
 from tasks.base import CPU_SMALL, DECK, DECK_FIELDS, TRACKING_SECRETS, launch_seconds, retry_transient
 
 @task(requests=CPU_SMALL, container_image=CPU_IMAGE)
 def check_config(cfg: PPOConfig) -> PPOConfig:
     """The config, checked before any work starts: value ranges and choices, batch sizes
     that divide (`derive_sizes`), local data files, model directories and the position limit
-    (`rlhf.check.preflight`); the error names the key, file or row and what to change."""
-    from rlhf.check import preflight
-    from rlhf.progress import quiet_progress_bars
+    (`rlhf.train.check.preflight`); the error names the key, file or row and what to change."""
+    from rlhf.train.check import preflight
+    from rlhf.tracking.progress import quiet_progress_bars
 
     quiet_progress_bars()  # in a local execution, for the whole launch: no bars between the round lines
     checked = replace(cfg, [])
@@ -37,18 +37,18 @@ def check_config(cfg: PPOConfig) -> PPOConfig:
 @task(requests=CPU_SMALL, container_image=CPU_IMAGE, retries=2, secret_requests=TRACKING_SECRETS)
 def start_tracking(cfg: PPOConfig) -> str:
     """Open the run's MLflow run when `trainer.logger` lists mlflow; returns its id ("" without)."""
-    from rlhf.tracking_status import LAUNCH_TAG
+    from rlhf.tracking.status import LAUNCH_TAG
 
     with retry_transient():
         return P.open_tracking(cfg, tags={LAUNCH_TAG: launch()})
 
 
 def launch() -> str:
-    """This launch's key for `rlhf.tracking_status` (the Flyte execution; plus host and process locally)."""
+    """This launch's key for `rlhf.tracking.status` (the Flyte execution; plus host and process locally)."""
     from flytekit import current_context
     from flytekit.core.context_manager import FlyteContextManager
 
-    from rlhf.tracking_status import launch_key
+    from rlhf.tracking.status import launch_key
 
     state = FlyteContextManager.current_context().execution_state
     local = state is None or state.is_local_execution()
@@ -71,7 +71,7 @@ def fail_retrain_tracking(cfg: PPOConfig, train_files: str, val_files: str, mode
 
 
 def _fail_runs(cfg: PPOConfig, err: Optional[FlyteError]) -> None:
-    from rlhf.tracking_status import fail_launch_runs
+    from rlhf.tracking.status import fail_launch_runs
     from tasks.registry import registry_uri
 
     if "mlflow" not in cfg.trainer.logger:
@@ -92,7 +92,7 @@ def resume_point(cfg: PPOConfig) -> Optional[tuple[str, RoundState]]:
         return None
     from flytekit import FlyteContextManager
 
-    from rlhf.checkpoint import STATE_FILE
+    from rlhf.round.checkpoint import STATE_FILE
 
     fa = FlyteContextManager.current_context().file_access
     local = Path(fa.get_random_local_directory()) / STATE_FILE
@@ -107,7 +107,7 @@ def report(cfg: PPOConfig, state: RoundState, run_id: str, model: Optional[Flyte
     """The metrics table (one row per step, val scores merged), the final deck with the stop
     reason, the summary, config, curves and final policy reference in the tracker (the MLflow
     run is closed here), and the end-of-run table on the console."""
-    from rlhf.run_artifacts import log_results
+    from rlhf.tracking.artifacts import log_results
 
     reason = P.stop_reason(cfg, state)
     Deck(DECK, training_html(state, reason))
@@ -132,8 +132,8 @@ def print_results(cfg: PPOConfig, summary: dict, policy: str, run_id: str) -> No
 
     from flytekit.core.context_manager import FlyteContextManager
 
-    from rlhf.results import summary_rows, summary_table
-    from rlhf.tracking import redact
+    from rlhf.tracking.results import summary_rows, summary_table
+    from rlhf.tracking.sinks import redact
     from tasks.registry import registry_uri
 
     ctx = FlyteContextManager.current_context()

@@ -1,6 +1,6 @@
 """The colocated segment: `trainer.rounds_per_segment` rounds in one GPU task under torchrun
 (kfpytorch `Elastic`, shaped by the run's `cfg` as `ppo_update` is), the rollout engine and
-the trainer kept alive across its rounds (`rlhf.segment.run_segment`).
+the trainer kept alive across its rounds (`rlhf.train.segment.run_segment`).
 
 Every `trainer.save_freq` rounds the segment's checkpoint becomes the Flyte intratask
 checkpoint (`tasks.intratask`); an interrupted attempt's retry resumes from it. The task
@@ -19,10 +19,10 @@ from flytekit import Deck, task
 from flytekit.types.directory import FlyteDirectory
 
 from containers.images import GPU_IMAGE
-from rlhf import pipeline as P
+from rlhf.train import stateless as P
 from rlhf.config import PPOConfig
-from rlhf.segment import run_segment, segment_end
-from rlhf.state import RoundState
+from rlhf.train.segment import run_segment, segment_end
+from rlhf.round.state import RoundState
 from tasks import intratask
 from tasks.evaluate import print_round
 from tasks.base import (DECK_FIELDS, GPU, GPU_RETRIES, TRACKING_SECRETS, Prompts, Rollouts, Scored, gpu_resources,

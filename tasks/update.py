@@ -27,9 +27,9 @@ from flytekitplugins.kfpytorch import Elastic
 from flytekitplugins.kfpytorch.task import PytorchElasticFunctionTask
 
 from containers.images import GPU_IMAGE
-from rlhf import pipeline as P
+from rlhf.train import stateless as P
 from rlhf.config import PPOConfig
-from rlhf.state import RoundState
+from rlhf.round.state import RoundState
 from tasks.base import (GPU, GPU_RETRIES, TRACKING_SECRETS, Scored, gpu_resources, local_copy, rank,
                         retry_transient, workdir)
 

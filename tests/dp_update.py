@@ -40,9 +40,9 @@ def scored_buffer(tokenizer, n_prompts: int, n: int, resp_len: int) -> pd.DataFr
 
 
 def main(out: str, overrides: list[str]) -> None:
-    from rlhf import stages
+    from rlhf.round import stages
     from rlhf.config import derive_sizes, load_config
-    from rlhf.models.default import build_tiny_policy
+    from rlhf.trainer.default_policy import build_tiny_policy
     from rlhf.models.load import ValueModel
     from rlhf.trainer import dist as D
     from rlhf.trainer.ppo import PPOTrainer

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlhf.algos import ADV_ESTIMATORS, compute_advantages, masked_whiten
-from rlhf.algos_outcome import (compute_reinforce_plus_plus_baseline_outcome_advantage,
+from rlhf.algos.outcome import (compute_reinforce_plus_plus_baseline_outcome_advantage,
                                 compute_rloo_outcome_advantage)
 
 

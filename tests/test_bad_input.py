@@ -12,7 +12,7 @@ import pytest
 
 from rlhf.config import ConfigError, load_config
 from rlhf.data.io import DataValidationError, read_prompts
-from rlhf.stages import prepare_data
+from rlhf.round.stages import prepare_data
 
 
 def _table(prompts: pa.Array, sources: list[str] | None = None) -> pa.Table:
@@ -94,7 +94,7 @@ def test_val_set_without_rows_for_a_trained_source_is_refused(tmp_path):
 def test_overlong_prompts_are_dropped_and_counted_before_training(tok, caplog):
     import pandas as pd
 
-    from rlhf.stages import DataBundle, fit_data, fit_prompts
+    from rlhf.round.stages import DataBundle, fit_data, fit_prompts
 
     df = pd.DataFrame({"prompt": ["1+1=", "12345678901234567890+1=", "2+2="], "data_source": "synthetic/arithmetic",
                        "ground_truth": ["2", "0", "4"]})

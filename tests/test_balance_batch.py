@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from rlhf import stages
+from rlhf.round import stages
 from rlhf.config import derive_sizes, load_config
 from rlhf.data.batching import equal_count_partition
 
@@ -117,7 +117,7 @@ def test_falls_back_to_the_contiguous_split_and_says_why_once(monkeypatch, caplo
                              "actor.ppo_micro_batch_size_per_gpu=3", "algorithm.adv_estimator=grpo"])
     df = _table(cfg)
     monkeypatch.setattr(stages, "_FALLBACK_LOGGED", set())
-    with caplog.at_level(logging.INFO, logger="rlhf.stages"):
+    with caplog.at_level(logging.INFO, logger="rlhf.round.stages"):
         for r in range(2):
             got = stages.shard_for_update(df, cfg, r, 2)
             pd.testing.assert_frame_equal(got, stages.shard(df, 1, r, 2))

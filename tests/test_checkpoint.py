@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf import checkpoint as ckpt
-from rlhf.checkpoint_io import CheckpointWriter
+from rlhf.round import checkpoint as ckpt
+from rlhf.round.checkpoint_io import CheckpointWriter
 from test_pipeline import MOVING, base_model, cfg_for  # noqa: F401  (base_model is a fixture)
 from test_trainer import tiny_cfg
 
@@ -64,7 +64,7 @@ def test_a_file_changed_in_place_at_the_same_size_is_rejected_and_resume_falls_b
     name = str(f.relative_to(last))
     with pytest.raises(ckpt.CorruptCheckpointError, match=rf"{name} does not match its .* digest"):
         ckpt.verify(last)
-    with caplog.at_level(logging.WARNING, logger="rlhf.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="rlhf.round.checkpoint"):
         assert ckpt.latest_checkpoint(out) == prev
     assert str(last) in caplog.text and name in caplog.text and "contents changed" in caplog.text
     r = Run(tiny_cfg(out, "trainer.total_rounds=2", *MOVING))
@@ -81,7 +81,7 @@ def test_manifest_lists_every_file_with_size_and_digest(two_rounds):
     manifest = json.loads((last / ckpt.MANIFEST_FILE).read_text())
     files = {str(p.relative_to(last)) for p in last.rglob("*") if p.is_file() and p.name != ckpt.MANIFEST_FILE}
     assert set(manifest["files"]) == files and not any(n.startswith(".") for n in files)  # no writer markers
-    from rlhf.checkpoint_io import file_digest
+    from rlhf.round.checkpoint_io import file_digest
 
     for name, entry in manifest["files"].items():
         assert entry["size"] == (last / name).stat().st_size
@@ -152,7 +152,7 @@ def test_saved_models_load_as_save_pretrained_wrote_them(live_run, tmp_path):
 def test_a_writer_that_dies_leaves_no_sealed_checkpoint(live_run, tmp_path, monkeypatch, caplog):
     """The writer thread fails after its first file: the error reaches the training thread,
     nothing is renamed into place, and resume takes the previous checkpoint."""
-    import rlhf.checkpoint_io as io
+    import rlhf.round.checkpoint_io as io
 
     r = live_run
     out = tmp_path / "out"
@@ -176,7 +176,7 @@ def test_a_writer_that_dies_leaves_no_sealed_checkpoint(live_run, tmp_path, monk
     tmp = final.parent / f".tmp_{final.name}"
     assert not final.exists() and tmp.is_dir() and not (tmp / ckpt.MANIFEST_FILE).exists()
     assert (tmp / ".failed.rank0").is_file() and written
-    with caplog.at_level(logging.WARNING, logger="rlhf.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="rlhf.round.checkpoint"):
         assert ckpt.latest_checkpoint(out).name == "round_000002"
     assert "half-written" in caplog.text
 
@@ -186,7 +186,7 @@ def test_an_optimizer_step_waits_for_the_copy_of_the_state(live_run, tmp_path, m
     those at save time although the step changed them right after `save` returned."""
     import threading
 
-    import rlhf.checkpoint_io as io
+    import rlhf.round.checkpoint_io as io
 
     r = live_run
     gate = threading.Event()
@@ -277,9 +277,9 @@ def test_staged_driver_prunes_its_handoff_checkpoints(tmp_path, base_model):  # 
     """The stateless update writes every round (the next one starts from it); under one
     out_dir the newest stays and, of the save points (save_freq 2), the newest one; the
     round's profiler trace lands inside the checkpoint it returns."""
-    from rlhf import pipeline as P
-    from rlhf import stages
-    from rlhf.state import RoundState
+    from rlhf.train import stateless as P
+    from rlhf.round import stages
+    from rlhf.round.state import RoundState
 
     cfg = cfg_for(tmp_path, base_model, "trainer.total_rounds=10", "trainer.save_freq=2",
                   "trainer.max_ckpt_to_keep=1", "trainer.profile_steps=[3]")
@@ -352,7 +352,7 @@ def test_vllm_serves_the_new_weights_in_rounds_without_a_checkpoint(tmp_path):
     """save_freq 5: round 1 writes no checkpoint, and vLLM still serves the updated policy
     (the actor's weights alone, `<output_dir>/rollout_policy/actor`)."""
     pytest.importorskip("vllm")
-    from rlhf import stages
+    from rlhf.round import stages
     from rlhf.models.load import load_causal_lm
     from rlhf.rollout.base import SamplingParams
     from rlhf.rollout.hf import HFRolloutEngine

@@ -7,8 +7,8 @@ import pandas as pd
 import pytest
 import torch
 
-from rlhf import pipeline as P
-from rlhf import stages
+from rlhf.train import stateless as P
+from rlhf.round import stages
 from rlhf.config import derive_sizes, load_config
 from rlhf.rollout.base import RolloutBatch
 
@@ -73,7 +73,7 @@ def test_vllm_engine_gets_model_dtype_and_trust_remote_code(monkeypatch):
 
 def test_allow_network_reaches_every_loader(tmp_path, monkeypatch):
     import rlhf.models.load as L
-    from rlhf.models.default import build_tiny_policy
+    from rlhf.trainer.default_policy import build_tiny_policy
 
     cfg = load_config(None, ["model.tiny.hidden_size=32", "model.tiny.num_hidden_layers=1",
                              "model.tiny.num_attention_heads=1", "model.tiny.num_key_value_heads=1",

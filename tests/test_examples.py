@@ -29,9 +29,9 @@ def test_eight_gpu_example():
 
 
 def test_config_reference_is_current():
-    from rlhf.config_doc import render
+    from rlhf.config.doc import render
 
-    assert (ROOT / "docs" / "CONFIG.md").read_text() == render(), "run python -m rlhf.config_doc"
+    assert (ROOT / "docs" / "CONFIG.md").read_text() == render(), "run python -m rlhf.config.doc"
 
 
 def test_smollm2_one_gpu_example():
@@ -45,7 +45,7 @@ def test_smollm2_one_gpu_example():
 def test_smollm2_one_gpu_example_never_stops_on_kl():
     """verl does not stop GSM8K PPO on KL; the H200 run stopped at round 9 of its budget with
     per-token KL 1.1-1.2 to the warm-start (target_kl 1.0, patience 3)."""
-    from rlhf.state import RoundState, decide
+    from rlhf.round.state import RoundState, decide
 
     cfg = load_config(ROOT / "examples" / "smollm2_gsm8k_1gpu.yaml")
     state, verdict = RoundState(), None

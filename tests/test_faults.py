@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf import checkpoint as ckpt
-from rlhf import stages
-from rlhf.faults import NonFiniteStateError, RecoverableOOMError
+from rlhf.round import checkpoint as ckpt
+from rlhf.round import stages
+from rlhf.trainer.faults import NonFiniteStateError, RecoverableOOMError
 from tests.test_trainer import tiny_cfg
 
 FAULT_CFG = ("algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0.001", "early_stop.enable=true",
@@ -119,7 +119,7 @@ def test_checkpoint_of_non_finite_weights_is_refused(run, caplog):
     with torch.no_grad():
         p[0, 0] = float("inf")
     try:
-        with caplog.at_level(logging.ERROR, logger="rlhf.checkpoint"), pytest.raises(NonFiniteStateError) as e:
+        with caplog.at_level(logging.ERROR, logger="rlhf.round.checkpoint"), pytest.raises(NonFiniteStateError) as e:
             run.save()
     finally:
         with torch.no_grad():
@@ -211,7 +211,7 @@ def test_half_written_checkpoint_is_never_read(run, tmp_path, caplog, damage):
         bad = last.parent / f".tmp_{last.name}"
         last.rename(bad)
         (bad / ckpt.MANIFEST_FILE).unlink()
-    with caplog.at_level(logging.WARNING, logger="rlhf.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="rlhf.round.checkpoint"):
         assert ckpt.latest_checkpoint(tmp_path / "out") == prev
     assert str(bad) in caplog.text
 
@@ -253,7 +253,7 @@ def test_repeated_nan_rewards_from_a_reward_model_stop_the_run(run, tmp_path, ca
     counted, the run stops after early_stop.max_nonfinite_steps with the reason, and every
     checkpoint written meanwhile holds the last finite weights."""
     from rlhf.rewards.model import RewardModel
-    from rlhf.state import RoundState
+    from rlhf.round.state import RoundState
 
     saved = run.reward_model, run.data
     run.reward_model = RewardModel(_nan_reward_model(tmp_path / "rm", run.tokenizer))

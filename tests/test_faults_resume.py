@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf import checkpoint as ckpt
+from rlhf.round import checkpoint as ckpt
 from tests.test_trainer import TINY, _clean_env, _free_port, tiny_cfg
 
 ROUNDS = 3
@@ -33,7 +33,7 @@ EXTRA = [f"trainer.total_rounds={ROUNDS}", "trainer.steps_per_round=1", "algorit
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> str:
     """A tiny starting policy whose attention dropout is on while training."""
-    from rlhf.models.default import build_tiny_policy
+    from rlhf.trainer.default_policy import build_tiny_policy
 
     path = tmp_path_factory.mktemp("base")
     model, tok = build_tiny_policy(tiny_cfg(path))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.tracking import BufferedMLflowSink
+from rlhf.tracking.sinks import BufferedMLflowSink
 from tests.conftest import _free_port, _stop, _wait_healthy
 from tests.test_trainer import tiny_cfg
 
@@ -73,7 +73,7 @@ def test_server_unreachable_at_start_training_goes_on_and_next_run_sends(server,
     out = tmp_path / "out"
     cfg = tiny_cfg(out, "trainer.total_rounds=2", "trainer.logger=[mlflow]", "trainer.project_name=faults",
                    f"trainer.mlflow_tracking_uri={server.url}", "trainer.experiment_name=dark-start")
-    caplog.set_level(logging.WARNING, logger="rlhf.tracking")
+    caplog.set_level(logging.WARNING, logger="rlhf.tracking.sinks")
     t0 = time.monotonic()
     summary = train(cfg)
     wall = time.monotonic() - t0
@@ -103,7 +103,7 @@ def test_server_gone_mid_run_is_buffered_and_every_step_arrives_once(server, tmp
 
     server.start()
     buffer = tmp_path / "out" / "mlflow_buffer"
-    caplog.set_level(logging.WARNING, logger="rlhf.tracking")
+    caplog.set_level(logging.WARNING, logger="rlhf.tracking.sinks")
     sink = BufferedMLflowSink(str(buffer), server.url, "faults", "gone-mid-run", retry_s=0)
     sink.log_params({"actor.clip_ratio": 0.2})
     for step in (1, 2, 3):

@@ -25,7 +25,7 @@ def test_the_config_input_schema_carries_every_documented_description():
     from flytekit.core.type_engine import TypeEngine
 
     from rlhf.config import PPOConfig
-    from rlhf.config_doc import rows
+    from rlhf.config.doc import rows
 
     props = _properties(TypeEngine.to_literal_type(PPOConfig).metadata)
     documented = {key: note for key, _, _, note in rows() if note}
@@ -40,6 +40,6 @@ def test_pyflyte_help_points_to_the_reference_and_explains_keys():
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     head = proc.stdout[:proc.stdout.index("--cfg")]
-    assert "docs/CONFIG.md" in head and "python -m rlhf.check" in head
+    assert "docs/CONFIG.md" in head and "python -m rlhf.train.check" in head
     text = " ".join(proc.stdout.replace("│", " ").split())  # rich wraps the schema into a box
     assert "PPO ratio clip epsilon" in text and "adaptive target; also the early-stop KL budget" in text

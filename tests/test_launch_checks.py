@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rlhf.config import ConfigError, load_config
-from rlhf.config_ranges import RANGES, in_range, numeric_keys
+from rlhf.config.ranges import RANGES, in_range, numeric_keys
 from test_trainer import TINY, _clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,7 +93,7 @@ def _strict(text: str):
 
 
 def test_summary_json_holds_null_for_non_finite_numbers_and_says_so(tmp_path):
-    from rlhf.results import write_summary
+    from rlhf.tracking.results import write_summary
 
     summary = {"val_score_end": math.inf, "kl_coef": math.nan, "rounds": 2,
                "val_history": [{"step": 0.0, "score": -math.inf}, {"step": 1.0, "score": 0.5}]}
@@ -109,7 +109,7 @@ def test_summary_json_holds_null_for_non_finite_numbers_and_says_so(tmp_path):
 
 
 def test_sequences_longer_than_the_tiny_models_position_limit_are_refused():
-    from rlhf.check import preflight
+    from rlhf.train.check import preflight
 
     cfg = load_config(None, ["data.max_prompt_length=196", "data.max_response_length=16"])
     with pytest.raises(ConfigError, match=r"196 \+ 16 = 212 tokens, more than the policy's position limit of 128 "
@@ -118,7 +118,7 @@ def test_sequences_longer_than_the_tiny_models_position_limit_are_refused():
 
 
 def test_sequences_longer_than_a_model_dirs_position_limit_are_refused(tmp_path):
-    from rlhf.data_checks import check_position_limit
+    from rlhf.data.checks import check_position_limit
 
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 128}))
     cfg = load_config(None, [f"model.path={tmp_path}", "data.max_prompt_length=200", "data.max_response_length=12"])
@@ -140,14 +140,14 @@ def _user_data(tmp_path: Path, n_train: int = 10, labeled: bool = True) -> list[
 
 
 def test_a_small_train_set_resampled_many_times_a_round_is_warned_about(tmp_path, caplog):
-    from rlhf.check import preflight
-    from rlhf.data_checks import warn_resampling
+    from rlhf.train.check import preflight
+    from rlhf.data.checks import warn_resampling
 
     cfg = load_config(None, _user_data(tmp_path, 10) + ["data.train_batch_size=64"])
     (warning,) = preflight(cfg).warnings
     assert "the train set has 10 prompts but a round draws 64" in warning and "about 6.4 times a round" in warning
     assert "lower data.train_batch_size to at most 10" in warning
-    with caplog.at_level(logging.WARNING, logger="rlhf.data_checks"):
+    with caplog.at_level(logging.WARNING, logger="rlhf.data.checks"):
         warn_resampling(10, cfg)
     assert "about 6.4 times" in caplog.text
     assert warn_resampling(64, cfg) == "" and not preflight(load_config(None, [])).warnings
@@ -157,8 +157,8 @@ def test_a_small_train_set_resampled_many_times_a_round_is_warned_about(tmp_path
 
 
 def test_the_tiny_model_warm_starts_on_labeled_user_rows(tmp_path, one_thread):
-    from rlhf import pipeline as P
-    from rlhf import stages
+    from rlhf.train import stateless as P
+    from rlhf.round import stages
 
     cfg = load_config(None, TINY + _user_data(tmp_path, 40))
     data = stages.prepare_data(cfg)
@@ -173,7 +173,7 @@ def test_the_tiny_model_warm_starts_on_labeled_user_rows(tmp_path, one_thread):
 
 
 def test_user_data_without_labels_says_how_to_warm_start(tmp_path):
-    from rlhf import stages
+    from rlhf.round import stages
 
     cfg = load_config(None, TINY + _user_data(tmp_path, 8, labeled=False))
     with pytest.raises(ValueError, match="the train set has none .* add ground truths to data.train_files, or set "
@@ -191,7 +191,7 @@ def _cli(*args: str, cwd: Path, module: str = "rlhf.train") -> tuple[subprocess.
     return proc, time.perf_counter() - t
 
 
-@pytest.mark.parametrize("module", ["rlhf.train", "rlhf.check"])
+@pytest.mark.parametrize("module", ["rlhf.train", "rlhf.train.check"])
 def test_mistakes_are_reported_with_the_message_alone_before_heavy_imports(tmp_path, module):
     extra = ["--dry-run"] if module == "rlhf.train" else []
     for args, message in ((["critic.lr=-1"], "error: config key 'critic.lr' is -1"),

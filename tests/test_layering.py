@@ -49,7 +49,7 @@ def test_import_detector_sees_nested_imports(tmp_path: Path):
 
 
 def test_importing_the_engine_loads_no_flytekit_or_heavy_engines():
-    code = ("import sys, rlhf, rlhf.pipeline, rlhf.train, rlhf.stages, rlhf.plots, rlhf.model_registry, schemas;"
+    code = ("import sys, rlhf, rlhf.train.stateless, rlhf.train, rlhf.round.stages, rlhf.tracking.plots, rlhf.tracking.model_registry, schemas;"
             "print(sorted(m for m in ('flytekit', 'vllm', 'deepspeed', 'mlflow', 'matplotlib') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})

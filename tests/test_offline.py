@@ -116,7 +116,7 @@ def test_offline_without_log_probs_ids_or_scores_is_tokenized_and_scored(tmp_pat
 
 
 def test_offline_partial_scores_are_filled_in(stored):
-    from rlhf.offline import score_missing
+    from rlhf.round.offline import score_missing
 
     cfg = load_config(None, TINY + ["reward.format_score=0.1"])
     rows = stored["table"].copy()
@@ -171,7 +171,7 @@ def test_offline_bad_tables_name_the_row_and_column(tmp_path, stored):
 
 def test_offline_table_too_small_for_a_round_says_what_to_change(tmp_path, stored):
     from rlhf.models.tokenizer import build_char_tokenizer
-    from rlhf.offline import load_rollouts
+    from rlhf.round.offline import load_rollouts
 
     path = _write(stored["table"].iloc[:8], tmp_path / "small.parquet")
     cfg = load_config(None, TINY + [f"data.rollout_files={path}"])
@@ -180,7 +180,7 @@ def test_offline_table_too_small_for_a_round_says_what_to_change(tmp_path, store
 
 
 def test_offline_rounds_walk_the_table_in_blocks(stored):
-    from rlhf.offline import round_block
+    from rlhf.round.offline import round_block
 
     cfg = load_config(None, TINY + ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4"])
     table = pd.concat([stored["table"]] * 2, ignore_index=True).assign(row=range(32))
@@ -202,8 +202,8 @@ def test_offline_flyte_workflow_matches_the_in_process_driver(tmp_path, stored, 
                       rollout_files=stored["dir"])
     assert out.state.global_step == summary["global_steps"] == 1
     assert summary["val_history"] == [] and out.state.val_history == []  # no validation anywhere
-    from rlhf.checkpoint import latest_checkpoint
-    from rlhf.state import RoundState
+    from rlhf.round.checkpoint import latest_checkpoint
+    from rlhf.round.state import RoundState
 
     loop_state = RoundState.from_json((latest_checkpoint(tmp_path / "loop") / "state.json").read_text())
     pd.testing.assert_frame_equal(pd.DataFrame(out.state.step_history), pd.DataFrame(loop_state.step_history),

@@ -1,4 +1,4 @@
-"""The stateless stage runners (`rlhf.pipeline`), and the design promise "two drivers, one
+"""The stateless stage runners (`rlhf.train.stateless`), and the design promise "two drivers, one
 round": the in-process loop and the Flyte workflow give the same rounds on one config."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pandas as pd
 import pytest
 import torch
 
-from rlhf import pipeline as P
+from rlhf.train import stateless as P
 from rlhf.config import load_config
-from rlhf.state import RoundState
+from rlhf.round.state import RoundState
 from test_trainer import TINY
 
 # Adaptive KL with a low target and an entropy bonus: the policy, the critic and the KL
@@ -104,7 +104,7 @@ def test_update_from_checkpoint_chains_rounds(base_model, tmp_path):
     checkpoint = None
     policy = base_model
     for r in range(2):
-        from rlhf import stages
+        from rlhf.round import stages
 
         prompts, state = stages.sample_prompts(data.train, state, cfg)
         rollouts, gen = P.rollout_policy(cfg, policy, prompts, state)
@@ -131,7 +131,7 @@ def test_in_process_staged_and_colocated_give_the_same_rounds(base_model, tmp_pa
     segments, a segment boundary, intratask checkpoints) on one config and seed."""
     from safetensors.torch import load_file
 
-    from rlhf.checkpoint import latest_checkpoint
+    from rlhf.round.checkpoint import latest_checkpoint
     from rlhf.train import train
     from workflows.ppo import ppo_pipeline
 

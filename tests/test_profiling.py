@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from rlhf.profiling import StepProfiler, step_dir, steps_in_round
+from rlhf.tracking.profiling import StepProfiler, step_dir, steps_in_round
 
 STAGES = ("old_log_prob", "ref", "values", "update_actor", "update_critic")
 

@@ -65,7 +65,7 @@ def test_gguf_conversion_keeps_the_logits_and_is_cached(smollm2_gguf, smollm2, s
 
 
 def test_sft_masks_the_chat_prompt_with_the_bpe_tokenizer(smollm2, test_rows):
-    from rlhf.models.sft import IGNORE, collate, sft_loss, tokenize_pairs
+    from rlhf.trainer.sft import IGNORE, collate, sft_loss, tokenize_pairs
 
     model, tok = smollm2
     prompts = test_rows["prompt"].tolist()[:2]
@@ -118,7 +118,7 @@ def test_one_ppo_round_on_smollm2_changes_weights_with_finite_losses(smollm2_ggu
     from safetensors.torch import load_file
 
     import rlhf.train
-    from rlhf import checkpoint as ckpt
+    from rlhf.round import checkpoint as ckpt
     from rlhf.config import load_config
 
     cfg = load_config(None, [
@@ -157,7 +157,7 @@ def test_sft_under_bf16_autocast_trains_the_weights_it_updates(smollm2_dir, test
 
     from rlhf.config import SFTConfig
     from rlhf.models.load import load_causal_lm, load_tokenizer
-    from rlhf.models.sft import collate, sft_loss, sft_warm_start, tokenize_pairs
+    from rlhf.trainer.sft import collate, sft_loss, sft_warm_start, tokenize_pairs
 
     model, tok = load_causal_lm(smollm2_dir), load_tokenizer(smollm2_dir)
     prompts = test_rows["prompt"].tolist()[:2]

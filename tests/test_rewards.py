@@ -3,7 +3,7 @@ import json
 import pytest
 
 from rlhf.config import RewardConfig
-from rlhf.registry import Registry
+from rlhf.config.registry import Registry
 from rlhf.rewards import REWARDS, RewardError, compute_scores, get_reward_fn, parse_extra_info
 from rlhf.rewards import arithmetic, gsm8k
 from rlhf.rewards.gsm8k import compute_score, extract_solution

@@ -1,4 +1,4 @@
-"""Rollout correction (`rlhf.algos_correction`): IS weights, the cap, rejection, the veto and
+"""Rollout correction (`rlhf.algos.correction`): IS weights, the cap, rejection, the veto and
 the metrics, against hand values and verl's definitions; and the no-op when the rollout and
 trainer log-probs agree."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlhf.algos import policy_loss
-from rlhf.algos_correction import compute_rollout_correction, mismatch_metrics
+from rlhf.algos.correction import compute_rollout_correction, mismatch_metrics
 
 
 def t(x):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rlhf.config import RolloutConfig, SFTConfig, TinyModelConfig
-from rlhf.models.sft import sft_warm_start
+from rlhf.trainer.sft import sft_warm_start
 from rlhf.models.tiny import build_tiny_model
 from rlhf.models.tokenizer import build_char_tokenizer
 from rlhf.rollout import ENGINES, make_engine
@@ -176,7 +176,7 @@ def test_generate_refuses_empty_prompts_and_bad_params(model, tok):
 
 
 def test_score_metrics_by_source_and_overall():
-    from rlhf.evaluate import score_metrics
+    from rlhf.round.evaluate import score_metrics
 
     m = score_metrics(["a", "b", "a", "a"], [1.0, 0.0, 0.0, 0.1], [3, 4, 5, 4], full_score=1.0)
     assert m["val-core/a/reward/mean@1"] == pytest.approx(1.1 / 3)
@@ -193,7 +193,7 @@ def test_evaluate_greedy_scores_greedy_answers_with_the_reward_rules(model, tok)
     import pandas as pd
 
     from rlhf.config import RewardConfig
-    from rlhf.evaluate import evaluate_greedy
+    from rlhf.round.evaluate import evaluate_greedy
 
     engine = HFRolloutEngine(model, tok, batch_size=4)
     prompts = [f"{a}+{b}=" for a in range(1, 60, 4) for b in (2, 9)]

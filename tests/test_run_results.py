@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from rlhf.progress import format_duration, round_line
-from rlhf.results import summary_rows, summary_table
+from rlhf.tracking.progress import format_duration, round_line
+from rlhf.tracking.results import summary_rows, summary_table
 from test_trainer import TINY, _clean_env, tiny_cfg
 
 ROUND_LINE = re.compile(r"^round (\d+)/(\d+) \| step \d+ \| critic/score/mean \S+ \| val/score \S+ \| "
@@ -108,7 +108,7 @@ def test_cli_prints_a_line_per_round_and_a_results_table_and_tracks_the_results(
 
 @pytest.mark.slow
 def test_a_run_that_fails_after_tracking_started_ends_failed(tmp_path, mlflow_server, monkeypatch, one_thread):
-    from rlhf import stages
+    from rlhf.round import stages
     from rlhf.train import train
 
     def broken_update(*args, **kwargs):
@@ -152,8 +152,8 @@ def test_flyte_launch_prints_rounds_and_results_and_tracks_them(tmp_path, mlflow
 
 @pytest.mark.slow
 def test_flyte_launch_that_fails_after_tracking_started_ends_failed(tmp_path, mlflow_server, monkeypatch):
-    from rlhf import stages
-    from rlhf.tracking_status import ERROR_TAG
+    from rlhf.round import stages
+    from rlhf.tracking.status import ERROR_TAG
     from workflows.ppo import ppo_pipeline
 
     def broken_rollout(*args, **kwargs):

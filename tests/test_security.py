@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from rlhf import checkpoint as ckpt
+from rlhf.round import checkpoint as ckpt
 from rlhf.config import ConfigError, load_config
 from rlhf.data.io import DataValidationError, read_prompts
 from rlhf.models.load import ModelLoadError, load_causal_lm, load_tokenizer
@@ -113,7 +113,7 @@ def test_config_refuses_passwords_in_uris_and_does_not_echo_them():
 
 
 def test_redact_hides_uri_passwords_and_secret_variables(monkeypatch):
-    from rlhf.tracking import param_value, redact
+    from rlhf.tracking.sinks import param_value, redact
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRETS["AWS_SECRET_ACCESS_KEY"])
     text = f"http://bob:{URI_PASSWORD}@host:5000/api and key={SECRETS['AWS_SECRET_ACCESS_KEY']} val/reward@1"
@@ -126,7 +126,7 @@ def test_buffered_tracking_warnings_do_not_show_the_uri_password(tmp_path, monke
     name the server with the password redacted, and the buffer files do not hold it."""
     import socket
 
-    from rlhf.tracking import BufferedMLflowSink
+    from rlhf.tracking.sinks import BufferedMLflowSink
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -177,7 +177,7 @@ def test_engine_state_is_read_weights_only_and_pickled_code_is_refused(secret_ru
     """A fresh trainer restores the ZeRO-1 checkpoint (optimizer shards included) through the
     weights-only reader; the same checkpoint with a file replaced by a pickle that would run
     code is refused, and the code does not run."""
-    from rlhf import pipeline as P
+    from rlhf.train import stateless as P
     from rlhf.config import derive_sizes
     from rlhf.trainer import dist as D
     from rlhf.trainer.safe_checkpoint import UnsafeCheckpointError
@@ -264,7 +264,7 @@ def _prompt_file(path: Path) -> None:
 def test_dataset_paths_from_the_config_stay_under_base_dir(tmp_path):
     """`../`, absolute paths and links (to a file, or inside a listed directory) that lead out of
     `data.base_dir` are refused, through the config as the pipeline reads it."""
-    from rlhf.stages import prepare_data
+    from rlhf.round.stages import prepare_data
 
     base, outside = tmp_path / "base", tmp_path / "outside"
     (base / "shards").mkdir(parents=True)
@@ -291,7 +291,7 @@ def test_hub_names_are_not_fetched_without_allow_network(tmp_path, monkeypatch):
     """A model name that is not a local directory is refused before any download is tried,
     for the policy (through the config) and the critic and tokenizer loaders."""
     from rlhf.models.load import ValueModel
-    from rlhf.stages import DataBundle, prepare_policy
+    from rlhf.round.stages import DataBundle, prepare_policy
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # the refusal must not rely on offline mode
     cfg = load_config(None, ["model.path=Qwen/Qwen2.5-0.5B-Instruct"])

@@ -12,10 +12,10 @@ import pandas as pd
 import pytest
 import torch
 
-from rlhf import pipeline as P
+from rlhf.train import stateless as P
 from rlhf.config import load_config
-from rlhf.segment import segment_end, segment_starts, should_save
-from rlhf.state import RoundState
+from rlhf.train.segment import segment_end, segment_starts, should_save
+from rlhf.round.state import RoundState
 from test_pipeline import _no_flyte_cache, base_model, cfg_for  # noqa: F401 (fixtures)
 from test_trainer import TINY
 
@@ -137,7 +137,7 @@ def test_new_execution_resumes_from_a_named_checkpoint(base_model, tmp_path):
 
     from safetensors.torch import load_file
 
-    from rlhf.checkpoint import latest_checkpoint
+    from rlhf.round.checkpoint import latest_checkpoint
     from rlhf.train import train
     from workflows.ppo import ppo_pipeline
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlhf.config import SFTConfig, TinyModelConfig
-from rlhf.models.sft import (IGNORE, build_sft_example, collate, cpu_threads, lr_at, probe_accuracy, sft_loss,
+from rlhf.trainer.sft import (IGNORE, build_sft_example, collate, cpu_threads, lr_at, probe_accuracy, sft_loss,
                              sft_warm_start, tokenize_pairs)
 from rlhf.models.tiny import build_tiny_model
 from rlhf.models.tokenizer import build_char_tokenizer
@@ -153,7 +153,7 @@ def test_sft_refuses_mismatched_inputs_and_unknown_schedule(tok):
 
 
 def test_sft_main_trains_and_prints_validation_accuracy(capsys, tmp_path):
-    from rlhf.sft_main import main
+    from rlhf.train.sft import main
 
     out = tmp_path / "policy"
     metrics = main(["--out", str(out), "data.synthetic.n_sft=64", "data.synthetic.n_val=16",
@@ -175,7 +175,7 @@ def test_default_warm_start_reaches_its_phase_change_well_inside_the_step_cap(se
     some machines. Half the cap is the margin; held-out accuracy follows the probe's."""
     from rlhf.config import load_config
     from rlhf.data.arithmetic import make_splits
-    from rlhf.models.default import warm_start
+    from rlhf.trainer.default_policy import warm_start
 
     cfg = load_config(None, [f"trainer.seed={seed}", f"model.sft.num_threads={threads}"])
     sft = cfg.model.sft

@@ -12,7 +12,7 @@ import optuna
 import pytest
 
 from rlhf.config import PPOConfig, load_config
-from rlhf.state import RoundState
+from rlhf.round.state import RoundState
 from sweeps.confirm import ConfirmRow, ConfirmSpec, Confirmed, decide, make_row, mean_se
 from sweeps.space import apply, default_space
 from sweeps.steps import DEFAULT_ATTR, SweepConfig, confirm_rows, plan_confirm

@@ -100,8 +100,8 @@ def test_reporter_prunes_a_bad_trial_before_its_last_round(tmp_path):
 def test_pruning_check_reports_the_validations_inside_a_segment(tmp_path):
     """After a colocated segment, `check_pruning` reports each of its rounds' val scores at its
     round (not only the last), and a later segment adds only its own."""
-    from rlhf.state import RoundState, Verdict
-    from sweeps.trial import TrialContext, check_pruning
+    from rlhf.round.state import RoundState, Verdict
+    from rlhf.tracking.trial import TrialContext, check_pruning
 
     spec = StudySpec(name="segments")
     storage = storage_url(spec, str(tmp_path))

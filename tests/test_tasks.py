@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from rlhf.config import load_config
-from rlhf.state import RoundState
+from rlhf.round.state import RoundState
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -166,7 +166,7 @@ def _fake_policy(path: Path, tag: str) -> str:
 
 
 def test_champion_alias_moves_only_to_a_better_score(tmp_path):
-    from rlhf import model_registry as R
+    from rlhf.tracking import model_registry as R
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     assert R.champion(uri, "policy") is None
@@ -190,7 +190,7 @@ def test_champion_alias_moves_only_to_a_better_score(tmp_path):
 
 
 def test_promotion_rule():
-    from rlhf.model_registry import promotion_decision
+    from rlhf.tracking.model_registry import promotion_decision
 
     assert promotion_decision(0.6, 0.5)[0] and not promotion_decision(0.5, 0.5)[0]
     assert not promotion_decision(0.55, 0.5, min_delta=0.1)[0]
@@ -198,7 +198,7 @@ def test_promotion_rule():
 
 
 def test_with_no_champion_yet_the_starting_policy_is_the_one_to_beat():
-    from rlhf.model_registry import promotion_decision
+    from rlhf.tracking.model_registry import promotion_decision
 
     assert promotion_decision(0.118, 0.138, incumbent_name="starting policy") == (
         False, "no champion yet; challenger val score 0.1180 does not beat starting policy 0.1380")
@@ -212,7 +212,7 @@ def test_with_no_champion_yet_the_starting_policy_is_the_one_to_beat():
 def test_training_deck_renders_every_panel_and_the_stop_reason():
     from PIL import Image
 
-    from rlhf.plots import PANELS, training_figure, training_html
+    from rlhf.tracking.plots import PANELS, training_figure, training_html
 
     hist = [{"step": float(i), "critic/score/mean": 0.1 * i, "actor/current_kl": 0.01 * i,
              "actor/reward_kl_penalty_coeff": 0.001, "actor/pg_loss": -0.1, "critic/vf_loss": 0.2,

@@ -14,7 +14,7 @@ from flytekit.core.data_persistence import FileAccessProvider
 from flytekit.core.type_engine import TypeEngine
 from flytekit.types.directory import FlyteDirectory
 
-from rlhf.state import RoundState
+from rlhf.round.state import RoundState
 
 
 @pytest.fixture

@@ -86,7 +86,7 @@ def test_pyflyte_run_with_a_config_file(tmp_path):
 
 @pytest.mark.slow
 def test_nightly_retraining_twice_starts_from_the_champion(tmp_path):
-    from rlhf import model_registry as R
+    from rlhf.tracking import model_registry as R
     from workflows.retrain import ppo_retrain_nightly
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"

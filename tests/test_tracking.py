@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlhf.config import PPOConfig, flatten, from_dict
-from rlhf.tracking import (
+from rlhf.tracking.sinks import (
     PARAM_VALUE_MAX,
     BufferedMLflowSink,
     ConsoleSink,
@@ -251,7 +251,7 @@ def test_mlflow_http_server_roundtrip(mlflow_server, artifact):
 
 
 def test_wandb_offline_run(tmp_path, monkeypatch):
-    from rlhf.tracking import WandbSink
+    from rlhf.tracking.sinks import WandbSink
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     sink = WandbSink("proj", "run", {"actor.clip_ratio": 0.2}, output_dir=str(tmp_path))
@@ -271,9 +271,9 @@ def test_buffered_records_leave_with_the_task_and_the_next_task_sends_them(sqlit
 
     from mlflow.tracking import MlflowClient
 
-    from rlhf import pipeline as P
+    from rlhf.train import stateless as P
     from rlhf.config import load_config
-    from rlhf.state import RoundState
+    from rlhf.round.state import RoundState
 
     run_id = MlflowClient(sqlite_uri).create_run(
         MlflowClient(sqlite_uri).create_experiment(f"carry-{tmp_path.name}")).info.run_id
@@ -298,7 +298,7 @@ def test_buffered_records_leave_with_the_task_and_the_next_task_sends_them(sqlit
 
 
 def test_wandb_tasks_of_one_execution_log_into_one_run(tmp_path, monkeypatch):
-    from rlhf.tracking import WandbSink
+    from rlhf.tracking.sinks import WandbSink
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     first = WandbSink("proj", "run", output_dir=str(tmp_path), run_id="execution0001")

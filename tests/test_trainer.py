@@ -81,7 +81,7 @@ def test_two_ppo_steps_change_parameters_and_stay_finite(run):
 
 def test_nonfinite_loss_is_skipped_and_counted(run):
     """A NaN score poisons the advantages: the step must be dropped, the weights untouched."""
-    from rlhf import stages
+    from rlhf.round import stages
 
     cfg = run.cfg
     prompts, _ = stages.sample_prompts(run.data.train, run.state, cfg)
@@ -124,7 +124,7 @@ def test_adaptive_kl_controller_follows_kl(tmp_path):
 def _final_actor(out: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    from rlhf.checkpoint import latest_checkpoint
+    from rlhf.round.checkpoint import latest_checkpoint
 
     last = latest_checkpoint(out)
     return load_file(str(last / "actor" / "model.safetensors"))
@@ -150,7 +150,7 @@ def test_resume_matches_uninterrupted_run(tmp_path):
 
 
 def test_half_written_checkpoint_is_ignored(tmp_path):
-    from rlhf.checkpoint import latest_checkpoint, write_manifest
+    from rlhf.round.checkpoint import latest_checkpoint, write_manifest
 
     root = tmp_path / "checkpoints"
     good = root / "round_000001"
@@ -222,7 +222,7 @@ def test_round_with_vllm_rollout_pushes_new_weights(tmp_path):
     """One round with the vLLM engine (CPU build): same result types; after the round the
     engine serves the updated policy (its greedy output equals the checkpoint's HF output)."""
     pytest.importorskip("vllm")
-    from rlhf import stages
+    from rlhf.round import stages
     from rlhf.models.load import load_causal_lm
     from rlhf.rollout.hf import HFRolloutEngine
     from rlhf.rollout.base import SamplingParams

@@ -22,7 +22,7 @@ SMALL = ["model.tiny.hidden_size=32", "model.tiny.num_hidden_layers=2", "model.t
 
 
 def make_trainer(*overrides: str, critic: bool = False):
-    from rlhf.models.default import build_tiny_policy
+    from rlhf.trainer.default_policy import build_tiny_policy
     from rlhf.models.load import ValueModel
     from rlhf.trainer.ppo import PPOTrainer
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from rlhf.config import ConfigError, PPOConfig, load_config, resolve_epochs, rounds_for_epochs
-from rlhf.verl_keys import translate_tree
+from rlhf.config.verl_keys import translate_tree
 
 # verl's GSM8K PPO quickstart (docs/start/quickstart.rst), only the paths changed.
 QUICKSTART = """

@@ -35,13 +35,13 @@ def main(out: str, stage: int = 3) -> None:
     from dp_update import scored_buffer
     from safetensors.torch import load_file
 
-    from rlhf import checkpoint as ckpt
-    from rlhf import stages
-    from rlhf.checkpoint_io import CheckpointWriter
+    from rlhf.round import checkpoint as ckpt
+    from rlhf.round import stages
+    from rlhf.round.checkpoint_io import CheckpointWriter
     from rlhf.config import derive_sizes, load_config
-    from rlhf.models.default import build_tiny_policy
+    from rlhf.trainer.default_policy import build_tiny_policy
     from rlhf.models.load import ValueModel, load_causal_lm
-    from rlhf.state import RoundState
+    from rlhf.round.state import RoundState
     from rlhf.trainer import dist as D
     from rlhf.trainer.ppo import PPOTrainer
 

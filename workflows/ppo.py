@@ -24,11 +24,11 @@ from flytekit import conditional, dynamic, workflow
 from flytekit.types.directory import FlyteDirectory
 
 from containers.images import CPU_IMAGE
-from rlhf import pipeline as P
+from rlhf.train import stateless as P
 from rlhf.config import PPOConfig
-from rlhf.segment import segment_end, segment_starts
-from rlhf.state import RoundState
-from sweeps.trial import TrialContext
+from rlhf.train.segment import segment_end, segment_starts
+from rlhf.round.state import RoundState
+from rlhf.tracking.trial import TrialContext
 from tasks.base import CPU_SMALL, Prompts, gpu_resources
 from tasks.data import (dataset_fingerprint, fit_prompts, prepare_dataset, prepare_policy, rounds_from_epochs,
                         sample_prompts)
@@ -171,7 +171,7 @@ def ppo_pipeline(cfg: PPOConfig = PPOConfig()) -> Pipeline:
     """Data, starting policy (`model.path`, or the tiny model SFT-warm-started in code), PPO
     rounds; returns the final policy directory, the per-step metrics table and the state.
     Every config key and its meaning: docs/CONFIG.md. Check a launch first, in seconds:
-    python -m rlhf.check --cfg my.yaml"""
+    python -m rlhf.train.check --cfg my.yaml"""
     checked = check_config(cfg=cfg)
     data = prepare_data(cfg=checked)
     base = prepare_policy(model=checked.model, seed=checked.trainer.seed, sft=data.sft)

@@ -15,7 +15,7 @@ import math
 from typing import Any, Callable, Sequence
 
 from rlhf.config import RewardConfig
-from rlhf.registry import Registry
+from rlhf.config.registry import Registry
 from rlhf.rewards import arithmetic, gsm8k
 
 RewardFn = Callable[[str, str, dict, RewardConfig], float]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 from rlhf.config import RolloutConfig
-from rlhf.registry import Registry
+from rlhf.config.registry import Registry
 from rlhf.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
 
 EngineFactory = Callable[..., RolloutEngine]

@@ -9,7 +9,7 @@ A round's buffer holds `steps_per_round` steps of responses. The stages, each ti
 then per step: 3. `critic_values` with the current critic, 4. `advantages` (KL penalty in
 the reward, token-level rewards, then the `algorithm.adv_estimator` of `algos.ADV_ESTIMATORS`
 with whitening over all ranks), 5. `rollout_correction` (IS weights and rejection from the
-rollout log-probs, `rlhf.algos_correction`), 6. `update_critic`, 7. `update_actor` (not during
+rollout log-probs, `rlhf.algos.correction`), 6. `update_critic`, 7. `update_actor` (not during
 the first `trainer.critic_warmup` steps). The KL controller moves once per step, as verl's does.
 
 How it departs from the textbook: advantages are whitened per step over the global batch
@@ -30,7 +30,7 @@ from typing import Iterator
 import torch
 
 from rlhf import algos
-from rlhf.algos_correction import compute_rollout_correction
+from rlhf.algos.correction import compute_rollout_correction
 from rlhf.config import PPOConfig, Sizes, correction_settings
 from rlhf.trainer import dist as D
 from rlhf.trainer import forward as F
@@ -292,7 +292,7 @@ class PPOTrainer:
 
     def round(self, buf: PPOBatch, steps: int) -> list[dict[str, float]]:
         """Run `steps` PPO steps over the round's buffer; returns one metrics dict per step."""
-        from rlhf.faults import oom_as_recoverable, update_memory_settings
+        from rlhf.trainer.faults import oom_as_recoverable, update_memory_settings
 
         with oom_as_recoverable("PPO update", update_memory_settings(self.cfg)):
             return self._round(buf, steps)

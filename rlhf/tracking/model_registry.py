@@ -4,7 +4,7 @@ A policy directory (safetensors + tokenizer) is logged as the artifact `model` o
 MLflow run and registered as a new version of a registered model; its validation score
 is a tag of the version. The alias `champion` marks the version that retraining starts
 from and that a new version must beat, on the same validation set, to take the alias.
-Only this module (and `rlhf.tracking`) imports mlflow.
+Only this module (and `rlhf.tracking.sinks`) imports mlflow.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def register(tracking_uri: str, name: str, model_dir: str, val_score: float, exp
     when empty) and register it as a new version of `name` tagged with its val score."""
     from mlflow.exceptions import MlflowException
 
-    from rlhf.tracking import MLflowSink
+    from rlhf.tracking.sinks import MLflowSink
 
     client = _client(tracking_uri)
     if run_id:  # an existing (training) run: add the files, leave its status alone

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from rlhf import stages
+from rlhf.round import stages
 from rlhf.config import PPOConfig, derive_sizes
 from rlhf.data.io import DataValidationError
 

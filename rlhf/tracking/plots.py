@@ -12,7 +12,7 @@ import base64
 import html
 import io
 
-from rlhf.state import RoundState
+from rlhf.round.state import RoundState
 
 # (panel title, [(history key, label)], second-axis (key, label) or None)
 PANELS: tuple[tuple[str, tuple[tuple[str, str], ...], tuple[str, str] | None], ...] = (

@@ -1,6 +1,6 @@
 """SFT warm-start of the tiny default policy on synthetic arithmetic, then greedy validation.
 
-    python -m rlhf.sft_main [--cfg F] [--out DIR] [--threads N] [key=value ...]
+    python -m rlhf.train.sft [--cfg F] [--out DIR] [--threads N] [key=value ...]
 
 Prints SFT progress, then `val/accuracy` on the `data.synthetic` validation split.
 """
@@ -16,7 +16,7 @@ from rlhf.config import ConfigError, load_config
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m rlhf.sft_main", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m rlhf.train.sft", description=__doc__.split("\n")[0])
     p.add_argument("--cfg", default=None, help="YAML/JSON config file (defaults if omitted)")
     p.add_argument("--out", default="", help="save the warm-started policy here (safetensors + tokenizer)")
     p.add_argument("--threads", type=int, default=0,
@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
         torch.set_num_threads(args.threads)
     from rlhf.data.arithmetic import make_splits
-    from rlhf.evaluate import evaluate_greedy
-    from rlhf.models.default import warm_start
+    from rlhf.round.evaluate import evaluate_greedy
+    from rlhf.trainer.default_policy import warm_start
     from rlhf.models.load import save_model_atomic
     from rlhf.rollout.hf import HFRolloutEngine
 

@@ -4,8 +4,8 @@ Names and semantics follow verl's `verl/trainer/ppo/core_algos.py`, so the two c
 compared line by line. Tensors are `(B, T)` = (batch, response_len) unless stated, and
 `response_mask` is 0/1 over response tokens (1 = the policy produced this token).
 
-More of the same kind lives beside it: `rlhf.algos_outcome` (RLOO, REINFORCE++-baseline,
-registered in ADV_ESTIMATORS) and `rlhf.algos_correction` (rollout correction: importance
+More of the same kind lives beside it: `rlhf.algos.outcome` (RLOO, REINFORCE++-baseline,
+registered in ADV_ESTIMATORS) and `rlhf.algos.correction` (rollout correction: importance
 weights and rejection for off-policy samples).
 
 Where this file departs from verl:
@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from rlhf.registry import Registry
+from rlhf.config.registry import Registry
 
 Tensor = torch.Tensor
 GroupIds = Union[Tensor, np.ndarray, Sequence[Any]]
@@ -449,7 +449,7 @@ def policy_loss(
       pg_clipfrac_lower: fraction where the dual clip (A < 0, ratio > clip_ratio_c) binds;
       ppo_kl: mean of old_logprob - logprob (k1 estimate of KL(old || new)).
     `rollout_is_weights` (B, T), detached, multiply the per-token loss before aggregation
-    (rollout correction, `rlhf.algos_correction`), as verl does.
+    (rollout correction, `rlhf.algos.correction`), as verl does.
     """
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c is the dual-clip bound and must be > 1, got {clip_ratio_c}")
@@ -582,6 +582,6 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
     return 1.0 - masked_var(returns - values, mask) / (masked_var(returns, mask) + 1e-5)
 
 
-# The outcome estimators of `rlhf.algos_outcome` (rloo, reinforce_plus_plus_baseline) register
+# The outcome estimators of `rlhf.algos.outcome` (rloo, reinforce_plus_plus_baseline) register
 # themselves in ADV_ESTIMATORS; importing it here makes the registry complete on `import algos`.
-from rlhf import algos_outcome  # noqa: E402,F401
+from rlhf.algos import outcome as algos_outcome  # noqa: E402,F401

@@ -83,7 +83,7 @@ def from_json_checked(cls: type, text: str):
     data = json.loads(text)
     try:
         if cls is PPOConfig:
-            from rlhf.verl_keys import translate_tree
+            from rlhf.config.verl_keys import translate_tree
 
             data = translate_tree(data)
         check_keys(data, cls=cls)

@@ -182,7 +182,7 @@ class KLCtrlConfig:
 @dataclass(frozen=True)
 class RolloutCorrectionConfig:
     """Importance weights and rejection for samples whose log-probs (rollout engine, stored
-    table) differ from the trainer's (`rlhf.algos_correction`; verl's names). On by default
+    table) differ from the trainer's (`rlhf.algos.correction`; verl's names). On by default
     as token-level truncated IS at 2.0 (verl's `decoupled_token_is`, TRL's default-on vLLM
     correction): when the engines agree the weights are 1 and nothing changes; when they
     do not (bf16 or vLLM kernels, stale or offline data) the bias is corrected."""
@@ -284,7 +284,7 @@ class PPOConfig:
         dataclass input calls `from_json` with the parsed file). Unknown keys raise
         `ConfigError`; the values convert exactly as flytekit's own dataclass decoding
         (dataclasses_json, which keeps unknown keys out silently) converts them."""
-        from rlhf.config_keys import from_json_checked
+        from rlhf.config.keys import from_json_checked
 
         return from_json_checked(cls, text)
 
@@ -292,8 +292,8 @@ class PPOConfig:
     def __pre_deserialize__(cls, d: dict) -> dict:
         """mashumaro's hook, run when flytekit decodes a config input in a task: the same key
         check, for a config launched from outside Python (console, flytectl)."""
-        from rlhf.config_keys import check_keys
-        from rlhf.verl_keys import translate_tree
+        from rlhf.config.keys import check_keys
+        from rlhf.config.verl_keys import translate_tree
 
         d = translate_tree(d)
         check_keys(d, "cfg input")
@@ -532,7 +532,7 @@ def _plain(value: Any, key: str, seen: tuple[int, ...], count: list[int]) -> Any
 
 def from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> PPOConfig:
     """Build and validate a config from a nested mapping plus dotted overrides."""
-    from rlhf.verl_keys import translate_override, translate_tree
+    from rlhf.config.verl_keys import translate_override, translate_tree
 
     tree = translate_tree(_plain(data or {}, "", (), [0]))  # a deep copy of plain data, verl keys mapped
     for text in overrides:
@@ -547,7 +547,7 @@ def from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> PPOCon
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> PPOConfig:
     """Load YAML or JSON (`path` may be None for the defaults) and apply overrides (a key
     given twice among them is warned about: the last one wins)."""
-    from rlhf.config_ranges import warn_repeated
+    from rlhf.config.ranges import warn_repeated
 
     warn_repeated(overrides)
     data: dict = {}
@@ -639,7 +639,7 @@ def validate(cfg: PPOConfig) -> None:
     if cfg.data.val_batch_size < 0 or cfg.rollout.val_temperature < 0:
         raise ConfigError("data.val_batch_size and rollout.val_temperature must be >= 0")
     correction_settings(cfg)  # raises on a bad preset or conflicting keys
-    from rlhf.config_ranges import check_ranges
+    from rlhf.config.ranges import check_ranges
 
     check_ranges(flat)
 
@@ -710,7 +710,7 @@ def _check_rejection_bounds(rc: RolloutCorrectionConfig) -> None:
 def _refuse_credentials(flat: dict[str, Any]) -> None:
     """The config travels with the run (Flyte inputs and decks, MLflow params, checkpoints), so a
     URI in it may not carry a password; credentials come from the environment or Flyte Secrets."""
-    from rlhf.tracking import URI_PASSWORD, redact
+    from rlhf.tracking.sinks import URI_PASSWORD, redact
 
     for key, value in flat.items():
         if isinstance(value, str) and URI_PASSWORD.search(value):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from rlhf.state import RoundState, Verdict
+from rlhf.round.state import RoundState, Verdict
 from sweeps.study import StudySpec, TrialReporter
 
 PRUNED = "pruned"  # the stop reason of a pruned trial starts with this

@@ -22,10 +22,10 @@ from typing import Callable, Optional
 
 import pandas as pd
 
-from rlhf import checkpoint as ckpt
-from rlhf import stages
+from rlhf.round import checkpoint as ckpt
+from rlhf.round import stages
 from rlhf.config import PPOConfig
-from rlhf.state import RoundState
+from rlhf.round.state import RoundState
 from rlhf.trainer import dist as D
 
 

@@ -3,7 +3,7 @@
 - `ConsoleSink`: one compact line per step with a few key metrics.
 - `MLflowSink`: params, one `log_batch` call per step, tags, artifacts; nested runs
   (`parent_run_id`) and resuming a run (`run_id`). Only this sink imports mlflow.
-- `BufferedMLflowSink` (`rlhf.tracking_buffer`): an `MLflowSink` that survives its
+- `BufferedMLflowSink` (`rlhf.tracking.buffer`): an `MLflowSink` that survives its
   server: while the server does not answer, calls are buffered in a local file and sent
   when it is back (or by the next run in the same output directory). `make_sink` uses it
   for "mlflow".
@@ -358,7 +358,7 @@ def make_sink(names: Iterable[str], cfg, run_name: str | None = None, run_id: st
         if kind == "console":
             sinks.append(ConsoleSink())
         elif kind == "mlflow":
-            from rlhf.tracking_buffer import BufferedMLflowSink
+            from rlhf.tracking.buffer import BufferedMLflowSink
 
             sink = BufferedMLflowSink(os.path.join(t.output_dir, "mlflow_buffer"), t.mlflow_tracking_uri,
                                       t.project_name, name, run_id=run_id, parent_run_id=parent_run_id,
@@ -375,9 +375,9 @@ def make_sink(names: Iterable[str], cfg, run_name: str | None = None, run_id: st
 
 
 def __getattr__(name: str):
-    """`rlhf.tracking.BufferedMLflowSink`, from `rlhf.tracking_buffer` (which builds on this module)."""
+    """`rlhf.tracking.sinks.BufferedMLflowSink`, from `rlhf.tracking.buffer` (which builds on this module)."""
     if name == "BufferedMLflowSink":
-        from rlhf.tracking_buffer import BufferedMLflowSink
+        from rlhf.tracking.buffer import BufferedMLflowSink
 
         return BufferedMLflowSink
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

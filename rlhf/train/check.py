@@ -1,8 +1,8 @@
 """Check a launch without running it: config, data files, model directories, sizes.
 
-    python -m rlhf.check [--cfg FILE] [key=value ...]    # the same arguments as rlhf.train
+    python -m rlhf.train.check [--cfg FILE] [key=value ...]    # the same arguments as rlhf.train
     python -m rlhf.train --dry-run [--cfg FILE] [key=value ...]
-    pyflyte run workflows/ppo.py ppo_pipeline ...       # check first: python -m rlhf.check --cfg FILE
+    pyflyte run workflows/ppo.py ppo_pipeline ...       # check first: python -m rlhf.train.check --cfg FILE
 
 `preflight(cfg)` runs in a few seconds, before DeepSpeed, transformers or Flyte are
 imported: the config's values and batch sizes, the local dataset files (read and
@@ -64,14 +64,14 @@ def _check_data(cfg: PPOConfig, plan: Plan) -> int:
                           "rows validated by the run)")
         return -1
     from rlhf.data.io import read_prompts
-    from rlhf.stages import check_data_sources
+    from rlhf.round.stages import check_data_sources
 
     train = read_prompts(d.train_files, drop_invalid=d.drop_invalid, base_dir=d.base_dir)
     val = read_prompts(d.val_files, drop_invalid=d.drop_invalid, base_dir=d.base_dir)
     check_data_sources(train, val, d.train_files, d.val_files)
     plan.lines.append(f"data: {len(train)} train rows ({d.train_files}), {len(val)} val rows ({d.val_files})")
     if not cfg.model.path:
-        from rlhf.data_checks import user_sft_split
+        from rlhf.data.checks import user_sft_split
 
         sft = user_sft_split(train, d.synthetic.n_sft)
         plan.lines.append(f"warm-start: the tiny model on {len(sft)} labeled train rows (target '#### <answer>')")
@@ -102,7 +102,7 @@ def _check_models(cfg: PPOConfig, plan: Plan) -> None:
 
 def preflight(cfg: PPOConfig) -> Plan:
     """Check `cfg`'s launch without running it; raises `CheckFailed` (or `ConfigError`) with the fix."""
-    from rlhf.data_checks import check_position_limit, resampling_message
+    from rlhf.data.checks import check_position_limit, resampling_message
 
     plan = Plan()
     t = cfg.trainer
@@ -125,7 +125,7 @@ def preflight(cfg: PPOConfig) -> Plan:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rlhf.check", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m rlhf.train.check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cfg", help="YAML or JSON config file (see docs/CONFIG.md)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")

@@ -7,7 +7,7 @@ A stateless driver (one Flyte task per stage) instead passes files and small val
         -> update_from_checkpoint -> evaluate_policy -> decide] x rounds
 
 Each function here loads what it needs (a model directory, a checkpoint with the
-DeepSpeed optimizer state), runs one stage from `rlhf.stages`, and returns tables,
+DeepSpeed optimizer state), runs one stage from `rlhf.round.stages`, and returns tables,
 directories and the `RoundState`. Both drivers share the trainer construction, the
 checkpoint format, the rollout seeds and the per-step metrics defined here, so the
 same config and seed give the same rounds either way.
@@ -27,10 +27,10 @@ from typing import Optional
 import pandas as pd
 import torch
 
-from rlhf import checkpoint as ckpt
-from rlhf import stages
+from rlhf.round import checkpoint as ckpt
+from rlhf.round import stages
 from rlhf.config import DataConfig, ModelConfig, PPOConfig, Sizes, TrainerConfig, derive_sizes
-from rlhf.state import RoundState, record_steps, record_val
+from rlhf.round.state import RoundState, record_steps, record_val
 from rlhf.trainer import dist as D
 
 # ---------------------------------------------------------------------------------
@@ -69,10 +69,10 @@ def record_update(state: RoundState, steps: list[dict[str, float]], kl_coef: flo
 
 
 def offline_table(cfg: PPOConfig, tokenizer) -> Optional[pd.DataFrame]:
-    """The stored rollouts of `data.rollout_files` (offline RLHF, `rlhf.offline`), or None."""
+    """The stored rollouts of `data.rollout_files` (offline RLHF, `rlhf.round.offline`), or None."""
     if not cfg.data.rollout_files:
         return None
-    from rlhf.offline import load_rollouts
+    from rlhf.round.offline import load_rollouts
 
     return load_rollouts(cfg, tokenizer)
 
@@ -80,7 +80,7 @@ def offline_table(cfg: PPOConfig, tokenizer) -> Optional[pd.DataFrame]:
 def offline_round(table: pd.DataFrame, cfg: PPOConfig, round_: int, rank: int, world: int, reward_model=None
                   ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(rollouts, scored) of round `round_` (rounds done before it) from the stored table."""
-    from rlhf.offline import offline_round as _round
+    from rlhf.round.offline import offline_round as _round
 
     return _round(table, cfg, round_, rank, world, reward_model)
 
@@ -106,7 +106,7 @@ def build_trainer(cfg: PPOConfig, sizes: Sizes, base_dir: str, device: torch.dev
                   resume: Optional[Path] = None):
     """A `PPOTrainer`: actor and critic from checkpoint `resume` (its safetensors models) or,
     without one, from the base policy; the frozen reference is always the base policy.
-    The optimizer state is not loaded here (`rlhf.checkpoint.restore` does that)."""
+    The optimizer state is not loaded here (`rlhf.round.checkpoint.restore` does that)."""
     from rlhf.models.load import ValueModel, frozen_reference, load_causal_lm, load_options
     from rlhf.trainer.ppo import PPOTrainer
 
@@ -191,7 +191,7 @@ def prepare_dataset(data: DataConfig) -> stages.DataBundle:
     """Train and val prompt tables and the labeled SFT split (of the synthetic task, else up to
     `data.synthetic.n_sft` labeled user rows, which warm-start the tiny default model; empty
     when the user data has none) from the data section alone."""
-    from rlhf.data_checks import labeled_rows
+    from rlhf.data.checks import labeled_rows
 
     bundle = stages.prepare_data(PPOConfig(data=data))
     if bundle.sft is None:
@@ -302,7 +302,7 @@ def update_from_checkpoint(cfg: PPOConfig, base_model_dir: str, checkpoint_dir: 
     timing: dict[str, float] = {}
     trainer, tokenizer = _load_trainer(cfg, base_model_dir, checkpoint_dir, state, rank, world, device, timing)
     local = stages.shard_for_update(scored, cfg, rank, world)
-    from rlhf.profiling import StepProfiler
+    from rlhf.tracking.profiling import StepProfiler
 
     traces = out / f".profile_{ckpt.round_dir_name(state.round + 1)}"
     profiler = StepProfiler(cfg.trainer.profile_steps, traces, device, rank)
@@ -371,7 +371,7 @@ def evaluate_policy(cfg: PPOConfig, model_dir: str, val: pd.DataFrame, state: Ro
     metrics["timing_s/testing_engine_build"] = built - t
     new = record_val(state, stages.val_score(metrics), cfg.early_stop.min_delta)
     if sink is not None:
-        from rlhf.run_artifacts import log_generations
+        from rlhf.tracking.artifacts import log_generations
 
         sink.log_metrics(metrics, step=new.global_step)
         log_generations(sink, new.global_step, samples, cfg.trainer.output_dir)
@@ -426,7 +426,7 @@ def open_tracking(cfg: PPOConfig, run_name: Optional[str] = None, tags: Optional
     mlflow; returns its id, or "" when MLflow is not used."""
     if "mlflow" not in cfg.trainer.logger:
         return ""
-    from rlhf.tracking import make_sink
+    from rlhf.tracking.sinks import make_sink
 
     sink = make_sink(["mlflow"], cfg, run_name=run_name, tags=tags)
     return sink.run_id
@@ -436,7 +436,7 @@ def tracking_sink(cfg: PPOConfig, run_id: str = "", state: Optional[RoundState] 
     """The configured sinks, with MLflow resuming run `run_id` (not closed by the stages) and
     wandb the run `state.wandb_id`; MLflow records an earlier task left in `state` (its server
     was down) are sent first. No console sink, since `decide` prints the round's line."""
-    from rlhf.tracking import NullSink, make_sink
+    from rlhf.tracking.sinks import NullSink, make_sink
 
     names = [n for n in cfg.trainer.logger if (n != "mlflow" or run_id) and n != "console"]
     if not names:
@@ -456,8 +456,8 @@ def keep_pending(sink, state: RoundState) -> RoundState:
 
 
 def _buffered(sink):
-    from rlhf.tracking import MultiSink
-    from rlhf.tracking_buffer import BufferedMLflowSink
+    from rlhf.tracking.sinks import MultiSink
+    from rlhf.tracking.buffer import BufferedMLflowSink
 
     for s in sink.sinks if isinstance(sink, MultiSink) else [sink]:
         if isinstance(s, BufferedMLflowSink):

@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from rlhf.results import json_safe, write_text_atomic
+from rlhf.tracking.results import json_safe, write_text_atomic
 
 GENERATIONS_PER_EVAL = 8  # rows of the generations table per evaluation
 GENERATION_COLUMNS = ("step", "data_source", "prompt", "response", "ground_truth", "score")
@@ -41,7 +41,7 @@ def log_config(sink, cfg, output_dir: str | os.PathLike) -> None:
 
 def log_curves(sink, state, stop_reason: str, output_dir: str | os.PathLike) -> None:
     """The training curves as `plots/training.html` (the deck's view) and `plots/training.png`."""
-    from rlhf.plots import figure_png, training_figure, training_html
+    from rlhf.tracking.plots import figure_png, training_figure, training_html
 
     out = artifact_dir(output_dir)
     html_path = write_text_atomic(out / "training.html", training_html(state, stop_reason))

@@ -14,7 +14,7 @@ import math
 import sys
 from typing import Mapping, TextIO
 
-from rlhf.tracking import format_number
+from rlhf.tracking.sinks import format_number
 
 # The headline metrics of a round line, in order (last step of the round).
 ROUND_KEYS = ("critic/score/mean", "actor/current_kl", "actor/reward_kl_penalty_coeff", "actor/pg_loss",

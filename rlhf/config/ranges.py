@@ -104,7 +104,7 @@ def check_ranges(flat: dict[str, Any]) -> None:
 
 def _note(key: str) -> str:
     """The comment beside the key's field (as docs/CONFIG.md shows it)."""
-    from rlhf.config_doc import rows
+    from rlhf.config.doc import rows
 
     return next((note for k, _, _, note in rows() if k == key), "")
 
@@ -117,7 +117,7 @@ def _shown(x: float) -> str:
 
 def numeric_keys() -> list[str]:
     """Every key of `PPOConfig` whose type holds an int or a float (optional and list types included)."""
-    from rlhf.config_doc import rows
+    from rlhf.config.doc import rows
 
     return [key for key, tp, _, _ in rows() if re.search(r"\b(int|float)\b", tp)]
 

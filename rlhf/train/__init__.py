@@ -18,11 +18,11 @@ from typing import Callable, Optional
 import pandas as pd
 import torch
 
-from rlhf import checkpoint as ckpt
-from rlhf import pipeline as P
-from rlhf import stages
+from rlhf.round import checkpoint as ckpt
+from rlhf.train import stateless as P
+from rlhf.round import stages
 from rlhf.config import ConfigError, PPOConfig, derive_sizes, load_config, resolve_epochs
-from rlhf.state import RoundState, Verdict, decide, record_val
+from rlhf.round.state import RoundState, Verdict, decide, record_val
 from rlhf.trainer import dist as D
 
 log = logging.getLogger("rlhf.train")
@@ -33,7 +33,7 @@ class Run:
     (handed the updated weights in memory), the tables, the state. `Run(cfg)` is the
     in-process driver's start (data, policy and resume from `trainer.output_dir`);
     `Run.start(...)` starts from given tables, policy, checkpoint and state, as a colocated
-    Flyte segment does (`rlhf.segment`). Both go through `run_rounds`."""
+    Flyte segment does (`rlhf.train.segment`). Both go through `run_rounds`."""
 
     def __init__(self, cfg: PPOConfig):
         self._setup_process(cfg, Path(cfg.trainer.output_dir))
@@ -56,7 +56,7 @@ class Run:
         run._setup_process(cfg, Path(out_dir))
         data = stages.DataBundle(train=train, val=val, sft=None)
         run._build(base_dir, data, Path(checkpoint) if checkpoint else None, state=state, fit=False)
-        from rlhf.tracking import NullSink
+        from rlhf.tracking.sinks import NullSink
 
         run.sink = sink if sink is not None and run.rank == 0 else NullSink()
         return run
@@ -73,7 +73,7 @@ class Run:
         self.sizes = derive_sizes(cfg, self.world)
         self.out = Path(D.broadcast_object(str(out)))  # rank 0's: every rank writes its shards there
         self.out.mkdir(parents=True, exist_ok=True)
-        from rlhf.checkpoint_io import CheckpointWriter
+        from rlhf.round.checkpoint_io import CheckpointWriter
 
         self.writer = CheckpointWriter()  # checkpoints are written in its thread while rounds go on
         self._reserved = False  # whether the writer's host buffers are allocated
@@ -91,7 +91,7 @@ class Run:
         self.tokenizer = load_tokenizer(base_dir, **load_options(cfg.model))
         self.data = stages.fit_data(data, self.tokenizer, cfg) if fit else data
         self.cfg = cfg = resolve_epochs(cfg, len(self.data.train))  # trainer.total_epochs -> total_rounds
-        from rlhf.data_checks import check_fit
+        from rlhf.data.checks import check_fit
 
         check_fit(cfg, len(self.data.train), base_dir)
         self.trainer = P.build_trainer(cfg, self.sizes, base_dir, self.device, resume)
@@ -107,7 +107,7 @@ class Run:
         self.offline = P.offline_table(cfg, self.tokenizer)  # the stored rollouts, or None (online)
         self.reward_model = stages.load_reward_model(cfg, self.device)
         self.last_step: dict[str, float] = {}  # the last PPO step's full metrics (for the round line)
-        from rlhf.profiling import StepProfiler
+        from rlhf.tracking.profiling import StepProfiler
 
         self.profiler = StepProfiler(cfg.trainer.profile_steps, self.out, self.device, self.rank)
         self.last_rollouts: Optional[pd.DataFrame] = None  # this rank's tables of the latest round
@@ -139,7 +139,7 @@ class Run:
                            **load_options(self.cfg.model))
 
     def _make_sink(self):
-        from rlhf.tracking import NullSink, make_sink
+        from rlhf.tracking.sinks import NullSink, make_sink
 
         if self.rank != 0:
             return NullSink()
@@ -152,7 +152,7 @@ class Run:
 
     # -- one round -------------------------------------------------------------------------
     def evaluate(self) -> float:
-        from rlhf.run_artifacts import log_generations
+        from rlhf.tracking.artifacts import log_generations
 
         samples: list[dict] = []
         metrics = stages.evaluate(self.engine, self.tokenizer, self.data.val, self.cfg, self.reward_model,
@@ -368,8 +368,8 @@ def train(cfg: PPOConfig) -> dict:
 
 def _finish(run: Run, summary: dict) -> None:
     """Rank 0 at the end: summary.json (strict JSON), summary metrics, config, curves, final policy."""
-    from rlhf.results import write_summary
-    from rlhf.run_artifacts import log_results
+    from rlhf.tracking.results import write_summary
+    from rlhf.tracking.artifacts import log_results
 
     last = ckpt.latest_checkpoint(run.out, checksums=False)  # sealed a moment ago by this process
     summary["final_policy"] = policy = str((last / "actor").resolve()) if last is not None else run.base_dir
@@ -386,7 +386,7 @@ def _finish(run: Run, summary: dict) -> None:
 
 def _mlflow_run(run: Run) -> str:
     """`<run id> at <tracking URI>` of the run's MLflow run, "" without one."""
-    from rlhf.tracking import default_tracking_uri, redact
+    from rlhf.tracking.sinks import default_tracking_uri, redact
 
     sinks = getattr(run.sink, "sinks", [run.sink])
     run_id = next((getattr(s, "run_id", "") for s in sinks if getattr(s, "run_id", "")), "")
@@ -400,7 +400,7 @@ def _progress(run: Run, t_loop: float, rounds_here: int) -> None:
     """The round line (rank 0): k/N, step, headline metrics, time per step, elapsed, ETA."""
     if run.rank != 0:
         return
-    from rlhf.progress import print_line, round_line
+    from rlhf.tracking.progress import print_line, round_line
 
     s = run.state
     last = {**(s.step_history[-1] if s.step_history else {}), **run.last_step}
@@ -431,7 +431,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rlhf.check import CheckFailed, preflight
+    from rlhf.train.check import CheckFailed, preflight
 
     p = _parser()
     args = p.parse_args(argv)
@@ -444,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(plan.text())
         return 0
-    from rlhf.progress import quiet_progress_bars
+    from rlhf.tracking.progress import quiet_progress_bars
 
     quiet_progress_bars()
     try:
@@ -452,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     except _user_errors() as e:  # found only once the data or model is loaded: still the message alone
         p.exit(2, f"error: {e}\n")
     if D.world()[0] == 0:
-        from rlhf.results import summary_rows, summary_table, write_summary
+        from rlhf.tracking.results import summary_rows, summary_table, write_summary
 
         if args.summary_json:
             write_summary(args.summary_json, summary)
@@ -463,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors that name a key, file or row and what to do: shown without a traceback."""
-    from rlhf.check import CheckFailed
+    from rlhf.train.check import CheckFailed
     from rlhf.data.io import DataValidationError
     from rlhf.models.load import ModelLoadError
 

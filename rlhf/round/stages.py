@@ -22,7 +22,7 @@ import torch
 
 from rlhf.config import GROUP_ESTIMATORS, PPOConfig, derive_sizes
 from rlhf.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
-from rlhf.state import RoundState
+from rlhf.round.state import RoundState
 from rlhf.trainer.batch import PPOBatch, collate
 
 log = logging.getLogger(__name__)
@@ -93,8 +93,8 @@ def prepare_policy(cfg: PPOConfig, out_dir: str | os.PathLike, data: DataBundle)
     base = Path(out_dir) / "base_model"
     if (base / "config.json").is_file():
         return str(base)
-    from rlhf.data_checks import user_sft_split
-    from rlhf.models.default import build_default_policy
+    from rlhf.data.checks import user_sft_split
+    from rlhf.trainer.default_policy import build_default_policy
 
     # User data: the tiny model is warm-started on its labeled rows (target "#### <ground truth>").
     sft = data.sft if data.sft is not None else user_sft_split(data.train, cfg.data.synthetic.n_sft)
@@ -297,7 +297,7 @@ def sampling_params(cfg: PPOConfig, seed: int | None = None) -> SamplingParams:
 def rollout(engine: RolloutEngine, tokenizer, prompts: pd.DataFrame, cfg: PPOConfig, seed: int) -> pd.DataFrame:
     """Sample `rollout.n` responses per prompt; returns a RolloutSchema table (prompt groups contiguous).
     Out of device memory raises `RecoverableOOMError` naming the rollout settings to lower."""
-    from rlhf.faults import oom_as_recoverable, rollout_memory_settings
+    from rlhf.trainer.faults import oom_as_recoverable, rollout_memory_settings
     from schemas import dump_json_column
 
     ids = tokenize(prompts, tokenizer, cfg)
@@ -381,8 +381,8 @@ def evaluate(engine: RolloutEngine, tokenizer, val: pd.DataFrame, cfg: PPOConfig
     """Validation (greedy unless `rollout.val_temperature` > 0, `data.val_batch_size` prompts per
     generate call): flat `val-core/<source>/reward/mean@1` metrics and `val/accuracy` (with a
     `samples` list, a few prompts, responses and scores are appended to it)."""
-    from rlhf.evaluate import evaluate_greedy
-    from rlhf.faults import oom_as_recoverable, rollout_memory_settings
+    from rlhf.round.evaluate import evaluate_greedy
+    from rlhf.trainer.faults import oom_as_recoverable, rollout_memory_settings
 
     with oom_as_recoverable("validation rollout", rollout_memory_settings(cfg)):
         return evaluate_greedy(engine, tokenizer, val, cfg.data.max_prompt_length, cfg.data.max_response_length,

@@ -2,7 +2,7 @@
 
 While the tracking server does not answer, every call is buffered in a local JSON-lines
 file and sent when the server is back (or by the next run in the same output directory).
-`rlhf.tracking.make_sink` uses it for "mlflow"; `rlhf.tracking` re-exports it.
+`rlhf.tracking.sinks.make_sink` uses it for "mlflow"; `rlhf.tracking.sinks` re-exports it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 import time
 from typing import Any
 
-from rlhf.tracking import (
+from rlhf.tracking.sinks import (
     METRICS_PER_BATCH,
     MLflowSink,
     _chunks,

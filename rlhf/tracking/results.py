@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
-from rlhf.progress import format_duration
+from rlhf.tracking.progress import format_duration
 
 
 def json_safe(value: Any, path: str = "", found: list[str] | None = None) -> Any:

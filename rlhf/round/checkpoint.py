@@ -8,7 +8,7 @@ temporary name, sealed with `manifest.json` (every file's size and digest) and r
 into place only when complete, so a crash mid-save never leaves a directory that reads as
 valid. A resume checks every file against the manifest: a missing manifest, a missing,
 truncated or changed file is reported and an earlier checkpoint used. Weights holding NaN
-or inf are never checkpointed (`NonFiniteStateError`). `rlhf.checkpoint_io` writes the
+or inf are never checkpointed (`NonFiniteStateError`). `rlhf.round.checkpoint_io` writes the
 files, in a background thread when the driver keeps training meanwhile.
 
 `trainer.save_freq` picks the rounds checkpointed (`is_save_point`) and
@@ -50,7 +50,7 @@ def write_manifest(path: Path, digests: dict[str, str] | None = None) -> None:
     """Seal a fully written checkpoint directory: record every file's size and digest,
     atomically. `digests` holds those already computed while writing (relative path ->
     digest); every other file is read and hashed here."""
-    from rlhf.checkpoint_io import file_digest, hash_name
+    from rlhf.round.checkpoint_io import file_digest, hash_name
 
     algo, digests = hash_name(), digests or {}
     files = {}
@@ -85,7 +85,7 @@ def why_incomplete(path: Path, checksums: bool = True) -> str:
 
 
 def _why_bad_file(f: Path, name: str, entry, algo: str | None, checksums: bool) -> str:
-    from rlhf.checkpoint_io import file_digest
+    from rlhf.round.checkpoint_io import file_digest
 
     size = entry["size"] if isinstance(entry, dict) else entry  # size-only manifests of older versions
     if not f.is_file():
@@ -203,7 +203,7 @@ def save(final: Path, trainer, tokenizer, cfg, state, writer=None, extra: dict[s
     state in place calls `writer.wait_copied()` first); without one, it returns once every
     rank's part is written and the directory sealed.
     Raises `NonFiniteStateError` (on every rank, writing nothing) when a weight is NaN or inf."""
-    from rlhf.checkpoint_io import SaveJob, run_inline
+    from rlhf.round.checkpoint_io import SaveJob, run_inline
     from rlhf.trainer import dist as D
 
     rank, world = D.world()[:2]
@@ -269,7 +269,7 @@ def _seal(tmp: Path, final: Path, digests: dict[str, str], after_seal) -> None:
 
 def _engine_files(engine, save_dir: Path) -> list:
     """DeepSpeed's engine state of this rank, collected (not yet written) as `TensorFile`s."""
-    from rlhf.checkpoint_io import TensorFile, capture_engine
+    from rlhf.round.checkpoint_io import TensorFile, capture_engine
 
     engine.checkpoint_engine = capture_engine()
     engine.save_checkpoint(str(save_dir), tag=ENGINE_TAG, save_latest=False)
@@ -296,7 +296,7 @@ def hf_model_files(module, state_dict: dict, tokenizer, path: Path) -> list:
     """A causal LM or a `ValueModel` as `save_pretrained` lays it out: its config and
     tokenizer written now, its (gathered) weights returned as `TensorFile`s to write.
     Tied weights are stored once, under the name `save_pretrained` keeps."""
-    from rlhf.checkpoint_io import TensorFile
+    from rlhf.round.checkpoint_io import TensorFile
     from rlhf.models.load import VALUE_CONFIG_FILE, VALUE_HEAD_FILE
 
     path.mkdir(parents=True, exist_ok=True)
@@ -325,7 +325,7 @@ def save_policy(path: Path, actor, tokenizer) -> Path:
     """The actor's current weights alone as `<path>/actor` (a model directory, replaced
     atomically; no optimizer state, no seal): what a rollout engine that reads files
     (vLLM) loads between checkpoints. All ranks must call it."""
-    from rlhf.checkpoint_io import TensorFile, run_file_jobs
+    from rlhf.round.checkpoint_io import TensorFile, run_file_jobs
     from rlhf.trainer import dist as D
     from rlhf.trainer.engines import full_state_dict
 
@@ -343,7 +343,7 @@ def save_policy(path: Path, actor, tokenizer) -> Path:
 
 def refuse_non_finite(state_dicts: dict, final: Path) -> None:
     """Raise `NonFiniteStateError` on every rank when any rank sees a NaN or inf weight."""
-    from rlhf.faults import NonFiniteStateError, non_finite_tensors
+    from rlhf.trainer.faults import NonFiniteStateError, non_finite_tensors
     from rlhf.trainer import dist as D
 
     bad = non_finite_tensors(state_dicts)
@@ -358,7 +358,7 @@ def refuse_non_finite(state_dicts: dict, final: Path) -> None:
 
 def read_state(path: Path):
     """The `RoundState` saved in checkpoint `path`."""
-    from rlhf.state import RoundState
+    from rlhf.round.state import RoundState
 
     return RoundState.from_json((Path(path) / STATE_FILE).read_text())
 
@@ -367,7 +367,7 @@ def restore(trainer, path: Path, state=None):
     """Load the DeepSpeed engine state (optimizer, counters) of checkpoint `path` into
     `trainer`, whose modules were built from that checkpoint's safetensors, then the round state (`state`, or the one saved there) into its KL controller
     and skip counter. Returns that state. Engine files are read weights-only (no pickled code)."""
-    from rlhf.checkpoint_io import capture_engine, keep_module_weights
+    from rlhf.round.checkpoint_io import capture_engine, keep_module_weights
 
     path = Path(path)
     state = state if state is not None else read_state(path)

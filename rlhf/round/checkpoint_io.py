@@ -1,6 +1,6 @@
 """Checkpoint files written off the training loop's critical path, and checksummed.
 
-A save (`rlhf.checkpoint.save`) gathers references to the state it needs (model weights,
+A save (`rlhf.round.checkpoint.save`) gathers references to the state it needs (model weights,
 DeepSpeed's optimizer state) and hands them to a `CheckpointWriter`, whose thread copies
 them off the device into host buffers kept between saves and then writes, fsyncs and
 hashes each file. The trainer runs on meanwhile: the next round's rollout, evaluation and
@@ -29,7 +29,7 @@ from typing import Callable, Optional
 
 import torch
 
-log = logging.getLogger("rlhf.checkpoint")
+log = logging.getLogger("rlhf.round.checkpoint")
 
 CHUNK = 16 << 20  # bytes read per hash update
 MARKER_WAIT_S = 3600.0  # rank 0 gives up on a rank whose files never appear

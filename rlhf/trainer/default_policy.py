@@ -9,7 +9,7 @@ import pandas as pd
 
 from rlhf.config import PPOConfig
 from rlhf.models.load import save_model_atomic
-from rlhf.models.sft import sft_warm_start
+from rlhf.trainer.sft import sft_warm_start
 from rlhf.models.tiny import build_tiny_model
 from rlhf.models.tokenizer import build_char_tokenizer
 

@@ -1,0 +1,11 @@
+"""The pieces a driver composes into a PPO round: the stages as plain functions
+(`stages`: data, policy, sample, rollout, score, update, evaluate), the state that crosses
+rounds and the early-stopping decision (`state`), validation (`evaluate`), stored rollouts
+standing in for the rollout stage (`offline`), and round checkpoints written in the
+background and verified on resume (`checkpoint`, `checkpoint_io`).
+
+May import: `rlhf.config`, `rlhf.data`, `rlhf.algos`, `rlhf.models`, `rlhf.rewards`,
+`rlhf.rollout`, `rlhf.trainer`, `schemas`. Never tracking or the drivers (`rlhf.train`):
+a round's pieces know nothing of where metrics go or which driver runs them.
+Submodules are imported directly (`from rlhf.round import stages`).
+"""

@@ -14,16 +14,17 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from rlhf.train import stateless as P
 from rlhf.config import ConfigError, PPOConfig, flatten, replace
 from rlhf.config.keys import check_keys, from_json_checked
 from rlhf.round.state import RoundState
+from rlhf.tracking.study import set_trial_attr, stored_trial
+from rlhf.tracking.trial import is_pruned
+from rlhf.train import stateless as P
 from sweeps.budget import ROUNDS_ATTR
 from sweeps.confirm import DEFAULT_LABEL, ConfirmRow, ConfirmRun, ConfirmSpec, check_confirm, make_row
 from sweeps.objective import check_objective, convergence_metrics, objective, pareto_objectives, val_curve
 from sweeps.space import ParamSpec, apply, check_space, default_space
 from sweeps.study import StudySpec, ask_batch, tell_batch
-from rlhf.tracking.trial import is_pruned
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ def plan_batch(study, space: list[ParamSpec], base: PPOConfig, k: int) -> list[P
     at once (its error kept as a user attr) and comes back with `cfg=None`."""
     planned = []
     for number, params in ask_batch(study, space, k):
-        attrs = study._storage.get_trial(_trial_id(study, number)).user_attrs
+        attrs = stored_trial(study, number).user_attrs
         try:
             cfg, error = apply(base, params), ""
         except ConfigError as e:
@@ -135,7 +136,7 @@ def plan_batch(study, space: list[ParamSpec], base: PPOConfig, k: int) -> list[P
         planned.append(Planned(number, params, cfg, error, bool(attrs.get(DEFAULT_ATTR))))
     refused = [p for p in planned if p.cfg is None]
     for p in refused:
-        study._storage.set_trial_user_attr(_trial_id(study, p.number), "error", p.error[:2000])
+        set_trial_attr(study, p.number, "error", p.error[:2000])
     tell_batch(study, [(p.number, "FAIL", []) for p in refused])
     return planned
 
@@ -166,10 +167,9 @@ def tell(study, numbers: list[int], cfgs: list[PPOConfig], states: list[Optional
     out = []
     for number, cfg, state in zip(numbers, cfgs, states, strict=True):
         status, values, metrics = result_of(state, cfg, sweep)
-        trial_id = _trial_id(study, number)
-        if not study._storage.get_trial(trial_id).state.is_finished():
+        if not stored_trial(study, number).state.is_finished():
             for key, value in metrics.items():
-                study._storage.set_trial_user_attr(trial_id, key, value)
+                set_trial_attr(study, number, key, value)
         out.append((number, status, values, metrics))
     tell_batch(study, [(n, s, v) for n, s, v, _ in out])
     return out
@@ -222,10 +222,6 @@ def _scored(state: Optional[RoundState], cfg: PPOConfig, sweep: SweepConfig) -> 
                             cfg.algorithm.kl_ctrl.target_kl, sweep.score_threshold, rounds)
     score = objective(m, sweep.kl_budget_weight, sweep.divergence_penalty, sweep.objective)
     return score, m.final_val, val_curve(state.val_history, rounds)
-
-
-def _trial_id(study, number: int) -> int:
-    return study._storage.get_trial_id_from_study_id_trial_number(study._study_id, number)
 
 
 # ---------------------------------------------------------------------------------

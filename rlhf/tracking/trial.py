@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from rlhf.round.state import RoundState, Verdict
-from sweeps.study import StudySpec, TrialReporter
+from rlhf.tracking.study import StudySpec, TrialReporter
 
 PRUNED = "pruned"  # the stop reason of a pruned trial starts with this
 

@@ -57,8 +57,9 @@ run: setup
 run-local: setup
 	$(BIN)/python -m rlhf.train $(ARGS)
 
-## Optuna sweep of kl_coef, clip_ratio and entropy_coeff as a Flyte workflow (embedded default:
-## 8 trials, 2 at a time, tiny task, short schedule; study and best config under outputs/sweeps/).
+## Optuna sweep of kl_coef, clip_ratio and entropy_coeff as a Flyte workflow (embedded default: up
+## to 32 trials of 8 rounds, 2 at a time, successive halving within 96 rounds, then the top 2 and
+## the default config re-run on 3 fresh seeds; study, confirm table and best config under outputs/sweeps/).
 sweep: setup
 	$(BIN)/pyflyte run sweeps/sweep.py ppo_sweep $(ARGS)
 

@@ -55,7 +55,8 @@ def pruner_for(spec: StudySpec):
 
 
 def _storage(study):
-    """The study's storage. Optuna keeps it in the private `Study._storage`: the public API
+    """The study's storage. Optuna keeps it in the private `Study._storage` (and the study's
+    id, which `trial_id` passes to it, in `Study._study_id`): the public API
     reads a trial of a loaded study only by copying every trial (`Study.trials`), and has no
     way to set a user attribute of a trial that is not the one being asked or to record a
     heartbeat outside `Study.optimize`. This is the one place the attribute is touched."""

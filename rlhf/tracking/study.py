@@ -59,7 +59,7 @@ def _storage(study):
     id, which `trial_id` passes to it, in `Study._study_id`): the public API
     reads a trial of a loaded study only by copying every trial (`Study.trials`), and has no
     way to set a user attribute of a trial that is not the one being asked or to record a
-    heartbeat outside `Study.optimize`. This is the one place the attribute is touched."""
+    heartbeat outside `Study.optimize`. This module is the one place both are touched."""
     return study._storage
 
 

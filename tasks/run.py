@@ -132,8 +132,8 @@ def print_results(cfg: PPOConfig, summary: dict, policy: str, run_id: str) -> No
 
     from flytekit.core.context_manager import FlyteContextManager
 
+    from rlhf.config.redact import redact
     from rlhf.tracking.results import summary_rows, summary_table
-    from rlhf.tracking.sinks import redact
     from tasks.registry import registry_uri
 
     ctx = FlyteContextManager.current_context()

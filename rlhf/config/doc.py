@@ -16,7 +16,7 @@ from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
 from typing import get_type_hints
 
-from rlhf.config import PPOConfig
+from rlhf.config.schema import PPOConfig
 
 _FIELD = re.compile(r"^\s+(\w+):\s*[^=#]+(?:=[^#]*)?(?:#\s*(.*))?$")
 

@@ -2,8 +2,9 @@
 
 flytekit builds a dataclass input (`pyflyte run ... --cfg FILE`, a console or flytectl
 launch) with dataclasses_json or mashumaro, which drop keys they do not know. The configs'
-`from_json` and `__pre_deserialize__` hooks call `from_json_checked` / `check_keys`, so a
-misspelled key stops the launch with its dotted path and the closest valid name instead.
+`from_json` and `__pre_deserialize__` hooks (`PPOConfig` has them from
+`rlhf.config.decoding`) call `from_json_checked` / `check_keys`, so a misspelled key
+stops the launch with its dotted path and the closest valid name instead.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 from dataclasses import fields, is_dataclass
 from typing import Any, get_args, get_origin
 
-from rlhf.config import ConfigError, PPOConfig, _hint, _hints, _key_names
+from rlhf.config.schema import ConfigError, PPOConfig, _hint, _hints, _key_names
 
 
 def _list_item_class(tp: Any) -> type | None:
@@ -89,6 +90,14 @@ def from_json_checked(cls: type, text: str):
         check_keys(data, cls=cls)
     except ConfigError as e:
         raise _option_error(str(e)) from None
+    return _decode_as_flytekit(cls, data)
+
+
+def _decode_as_flytekit(cls: type, data: dict):
+    """`cls` built from `data` by dataclasses_json, the decoder flytekit's click type uses for
+    a dataclass input, so each value converts exactly as it would without the key check.
+    The config classes do not inherit `DataClassJsonMixin`; its `from_dict` is called unbound
+    on `cls`, the one use of that library's internals here."""
     from dataclasses_json import DataClassJsonMixin  # present wherever flytekit is
 
     return DataClassJsonMixin.from_dict.__func__(cls, data)

@@ -15,7 +15,7 @@ import math
 import re
 from typing import Any, Iterable
 
-from rlhf.config import ConfigError
+from rlhf.config.schema import ConfigError
 
 _ANY = "(-inf, inf)"
 _POS = "[1, inf)"  # counts and sizes

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlhf.config import PPOConfig, ConfigError, _sections, all_keys
+from rlhf.config.schema import ConfigError, PPOConfig, _sections, all_keys
 
 _AR = "actor_rollout_ref"
 

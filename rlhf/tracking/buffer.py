@@ -13,6 +13,7 @@ import os
 import time
 from typing import Any
 
+from rlhf.config.redact import redact
 from rlhf.tracking.sinks import (
     METRICS_PER_BATCH,
     MLflowSink,
@@ -22,7 +23,6 @@ from rlhf.tracking.sinks import (
     default_tracking_uri,
     mlflow_key,
     param_value,
-    redact,
 )
 
 

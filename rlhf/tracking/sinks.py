@@ -27,6 +27,8 @@ import time
 import warnings
 from typing import Any, Iterable, Protocol, TextIO, runtime_checkable
 
+from rlhf.config.redact import SECRET_ENV_VARS, URI_PASSWORD, redact  # noqa: F401 (also read from this module)
+
 # Console line: (metric key, short label); val-core/* and val/* keys are appended as found.
 # Labels are the metric names themselves, as the decks and MLflow show them.
 CONSOLE_KEYS: tuple[tuple[str, str], ...] = tuple((k, k) for k in (
@@ -73,24 +75,6 @@ def mlflow_key(key: str) -> str:
     """A metric/param name MLflow accepts: "@" -> "_at_" (as verl does), other bad characters -> "_"."""
     key = key.replace("@", "_at_")
     return re.sub(r"[^/\w.\- :]", "_", key)[:250]
-
-
-# Environment variables that hold credentials: their values are never logged or stored.
-SECRET_ENV_VARS = ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_PASSWORD", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-                   "AZURE_STORAGE_KEY", "AZURE_STORAGE_SAS_TOKEN", "AZURE_CLIENT_SECRET", "HF_TOKEN", "WANDB_API_KEY",
-                   "DATABRICKS_TOKEN")
-URI_PASSWORD = re.compile(r"(?P<head>[A-Za-z][\w+.-]*://[^/@\s:]*):(?P<password>[^/@\s]+)@")
-
-
-def redact(text: str) -> str:
-    """`text` with URI passwords (`scheme://user:PASSWORD@host`) and the values of the
-    credential variables in `SECRET_ENV_VARS` replaced by `***`."""
-    text = URI_PASSWORD.sub(r"\g<head>:***@", str(text))
-    for name in SECRET_ENV_VARS:
-        secret = os.environ.get(name, "")
-        if len(secret) >= 6:  # shorter values would blank out ordinary text
-            text = text.replace(secret, "***")
-    return text
 
 
 def param_value(value: Any) -> str:

@@ -28,7 +28,8 @@ def fail_launch_runs(tracking_uri: str, experiment: str, launch: str, error: str
     MLflow's tag limit, as tag `rlhf.error`); returns their ids."""
     from mlflow.tracking import MlflowClient
 
-    from rlhf.tracking.sinks import TAG_VALUE_MAX, redact
+    from rlhf.config.redact import redact
+    from rlhf.tracking.sinks import TAG_VALUE_MAX
 
     client = MlflowClient(tracking_uri=tracking_uri)
     exp = client.get_experiment_by_name(experiment)

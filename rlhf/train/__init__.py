@@ -386,7 +386,8 @@ def _finish(run: Run, summary: dict) -> None:
 
 def _mlflow_run(run: Run) -> str:
     """`<run id> at <tracking URI>` of the run's MLflow run, "" without one."""
-    from rlhf.tracking.sinks import default_tracking_uri, redact
+    from rlhf.config.redact import redact
+    from rlhf.tracking.sinks import default_tracking_uri
 
     sinks = getattr(run.sink, "sinks", [run.sink])
     run_id = next((getattr(s, "run_id", "") for s in sinks if getattr(s, "run_id", "")), "")

@@ -93,6 +93,16 @@ def from_json_checked(cls: type, text: str):
     return _decode_as_flytekit(cls, data)
 
 
+
+def pre_deserialize_checked(cls: type, data: dict) -> dict:
+    """`data` with verl's keys translated, after the unknown-key check: what mashumaro
+    decodes a config input of a task from."""
+    from rlhf.config.verl_keys import translate_tree
+
+    data = translate_tree(data)
+    check_keys(data, "cfg input", cls=cls)
+    return data
+
 def _decode_as_flytekit(cls: type, data: dict):
     """`cls` built from `data` by dataclasses_json, the decoder flytekit's click type uses for
     a dataclass input, so each value converts exactly as it would without the key check.

@@ -7,7 +7,7 @@ import pytest
 
 from rlhf.config import SyntheticDataConfig
 from rlhf.data.arithmetic import make_arithmetic, make_splits, problem_space_size, solution_text
-from rlhf.data.io import validate_prompts
+from rlhf.data.validation import validate_prompts
 from schemas import PromptSchema
 
 

@@ -6,7 +6,7 @@ import pandas as pd
 import pandera.pandas as pa
 import pytest
 
-from rlhf.data.io import DataValidationError, validate_frame, validate_prompts
+from rlhf.data.validation import DataValidationError, validate_frame, validate_prompts
 from schemas import PromptSchema, RolloutSchema, ScoredRolloutSchema, dump_json_column, load_json_column
 
 

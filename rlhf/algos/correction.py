@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from rlhf.algos import _zero_masked, masked_mean
+from rlhf.algos.masked import _zero_masked, masked_mean
 
 Tensor = torch.Tensor
 

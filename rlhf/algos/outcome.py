@@ -3,7 +3,7 @@
 Names and semantics follow verl's `core_algos.py` (`algorithm.adv_estimator=rloo`,
 `reinforce_plus_plus_baseline`). Both read a response's total reward, the sum of its
 token-level rewards (score minus any in-reward KL penalty), as GRPO does, and register
-in `rlhf.algos.ADV_ESTIMATORS`. Tensors are (B, T) with a 0/1 `response_mask`.
+in `rlhf.algos.advantages.ADV_ESTIMATORS`. Tensors are (B, T) with a 0/1 `response_mask`.
 
 - RLOO (Ahmadian et al. 2024, "Back to Basics", arXiv:2402.14740): each response's
   baseline is the mean reward of the *other* responses to its prompt,
@@ -22,7 +22,8 @@ from typing import Callable, Optional
 
 import torch
 
-from rlhf.algos import ADV_ESTIMATORS, GroupIds, _float, _group_index, _zero_masked, masked_whiten
+from rlhf.algos.advantages import ADV_ESTIMATORS, GroupIds, _group_index
+from rlhf.algos.masked import _float, _zero_masked, masked_whiten
 
 Tensor = torch.Tensor
 

@@ -28,7 +28,8 @@ from typing import Any, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rlhf.data.io import DataValidationError, flatten_verl, validate_prompts, write_parquet_atomic, write_table_atomic
+from rlhf.data.io import flatten_verl, write_parquet_atomic, write_table_atomic
+from rlhf.data.validation import DataValidationError, validate_prompts
 
 DATA_SOURCE = "openai/gsm8k"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'

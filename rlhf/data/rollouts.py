@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from rlhf.data.io import (DataValidationError, _display_name, _read_table, flatten_verl, list_parquet_files,
-                          resolve_path, validate_frame, write_parquet_atomic)
+from rlhf.data.io import (_display_name, _read_table, flatten_verl, list_parquet_files, resolve_path,
+                          write_parquet_atomic)
+from rlhf.data.validation import DataValidationError, validate_frame
 from schemas import RolloutSchema, StoredRolloutSchema
 
 ROLLOUT_COLUMNS = ("response", "prompt_ids", "response_ids", "rollout_logprobs", "group_id", "finish_reason", "score")

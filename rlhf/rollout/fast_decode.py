@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as nnf
 
+from rlhf.models.attention import flash_attention_varlen, varlen_flash, varlen_reference
 from rlhf.rollout.base import RolloutBatch, SamplingParams
 from rlhf.rollout.decode_attention import triton_decode
 from rlhf.rollout.fused_ops import fused_decode_ops
@@ -76,8 +77,6 @@ def static_kv_attention(module, query, key, value, attention_mask, dropout: floa
     kc, vc = step.keys[layer], step.values[layer]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if step.prefill:
-        from rlhf.trainer.forward import varlen_flash, varlen_reference
-
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D)
         for dest in step.dests:
             kc.index_copy_(0, dest, k)
@@ -130,8 +129,7 @@ def _decode_flash(q, kc, vc, step: _Step, scale: float) -> torch.Tensor:
 def _flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, used) -> torch.Tensor:
     """Non-causal variable-length flash attention: sequence i's queries cu_q[i]:cu_q[i+1]
     attend to keys cu_k[i]:cu_k[i] + used[i]; query head h reads KV head h // (Hq / Hkv)."""
-    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, False, False,
-                                                   scale=scale, seqused_k=used)[0]
+    return flash_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=False, seqused_k=used)
 
 
 def _decode_sdpa(q, kc, vc, step: _Step, scale: float) -> torch.Tensor:
@@ -269,14 +267,7 @@ class FastHFRolloutEngine(HFRolloutEngine):
         t0 = time.perf_counter()
         logits = self._prefill(prompts, keys, values, max_len, n)  # (P, V) last-prompt-token logits
         row_len = lens.repeat_interleave(n)  # (rows,) tokens held per row
-        cfg = self.model.config.get_text_config()
-        group = cfg.num_attention_heads // (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-        step = _Step(keys, values, rows, max_len, prefill=False, flash=self.flash, triton=self.triton,
-                     group=self.group_decode_queries,
-                     cu_group=torch.arange(rows + 1, dtype=torch.int32, device=dev) * group,
-                     cu_q=torch.arange(rows + 1, dtype=torch.int32, device=dev),
-                     cu_k=(torch.arange(rows + 1, device=dev) * max_len).to(torch.int32),
-                     write=torch.arange(rows, device=dev) * max_len + row_len, used=(row_len + 1).to(torch.int32))
+        step = self._decode_step(keys, values, max_len, row_len)
         tok_in = torch.zeros(rows, 1, dtype=torch.long, device=dev)
         pos_in = row_len[:, None].clone()  # position of the token being fed
         logits = logits.repeat_interleave(n, 0)
@@ -319,6 +310,19 @@ class FastHFRolloutEngine(HFRolloutEngine):
         out = cut_at_stop(torch.stack(tokens, 1).tolist(), lps.tolist(), self.stop_ids)
         del keys, values, graphs
         return out
+
+    def _decode_step(self, keys, values, max_len: int, row_len: torch.Tensor) -> _Step:
+        """The decode `_Step` of rows holding `row_len` (rows,) tokens each: the first token
+        fed is written at slot `row_len` of its row and attends to `row_len + 1` keys."""
+        dev, rows = self.device, row_len.shape[0]
+        cfg = self.model.config.get_text_config()
+        group = cfg.num_attention_heads // (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        return _Step(keys, values, rows, max_len, prefill=False, flash=self.flash, triton=self.triton,
+                     group=self.group_decode_queries,
+                     cu_group=torch.arange(rows + 1, dtype=torch.int32, device=dev) * group,
+                     cu_q=torch.arange(rows + 1, dtype=torch.int32, device=dev),
+                     cu_k=(torch.arange(rows + 1, device=dev) * max_len).to(torch.int32),
+                     write=torch.arange(rows, device=dev) * max_len + row_len, used=(row_len + 1).to(torch.int32))
 
     def _prefill(self, prompts, keys, values, max_len: int, n: int) -> torch.Tensor:
         """Packed forward over the distinct prompts, chunked by PREFILL_TOKENS; K/V copied

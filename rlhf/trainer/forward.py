@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as nnf
 
 from rlhf import algos
+from rlhf.models.attention import varlen_flash, varlen_reference
 from rlhf.trainer.batch import PPOBatch
 
 LOGPROB_CHUNK_ROWS = 2048  # rows of (rows, vocab) float32 logits alive at once in LinearLogProb
@@ -291,37 +292,8 @@ def _indexed(batch: PPOBatch, micro: int, dynamic: bool, max_tokens: int) -> Ite
 
 
 # ---------------------------------------------------------------------------------------------
-# Variable-length attention for packed rows
+# Variable-length attention for packed rows (kernels: `rlhf.models.attention`)
 # ---------------------------------------------------------------------------------------------
-
-
-def varlen_flash(q, k, v, cu, max_len: int, scale: float) -> torch.Tensor:
-    """Flash-attention over packed sequences: q (T, Hq, D), k/v (T, Hkv, D) -> (T, Hq, D).
-
-    torch's `varlen_attn` where it takes a scale and grouped KV heads, else the aten flash
-    kernel it wraps (which has its own backward and accepts grouped KV heads)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-        import inspect
-
-        if "enable_gqa" in inspect.signature(varlen_attn).parameters:
-            return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, window_size=(-1, 0),
-                               enable_gqa=q.shape[1] != k.shape[1])
-    except ImportError:
-        pass
-    out = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_len, max_len, 0.0, True, False, scale=scale)
-    return out[0]
-
-
-def varlen_reference(q, k, v, cu_host: list[int], scale: float) -> torch.Tensor:
-    """The same attention sequence by sequence with SDPA (CPU, or where flash is unavailable)."""
-    groups = q.shape[1] // k.shape[1]
-    out = []
-    for s, e in zip(cu_host[:-1], cu_host[1:]):
-        qs, ks, vs = (t[s:e].transpose(0, 1) for t in (q, k, v))  # (H, L, D)
-        ks, vs = ks.repeat_interleave(groups, 0), vs.repeat_interleave(groups, 0)
-        out.append(nnf.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1))
-    return torch.cat(out)
 
 
 _FLASH_OK: dict[str, bool] = {}

@@ -12,6 +12,8 @@ import socket
 import torch
 import torch.distributed as dist
 
+from rlhf.trainer.deepspeed_internals import drop_cached_groups, forget_comm_backend
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -37,36 +39,16 @@ def init_distributed(device: torch.device) -> tuple[int, int]:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     backend = "nccl" if device.type == "cuda" else "gloo"
-    _forget_stale_deepspeed_group()
+    forget_comm_backend()  # a group destroyed since (an in-process vLLM engine's shutdown) is not reused
     dist.init_process_group(backend)
     return dist.get_rank(), dist.get_world_size()
-
-
-def _forget_stale_deepspeed_group() -> None:
-    """DeepSpeed caches the process group it first saw; when that group has been destroyed
-    since (an in-process vLLM engine's shutdown does), drop the cache so DeepSpeed adopts
-    the new one instead of failing with "Group ... is not registered"."""
-    import sys
-
-    comm = sys.modules.get("deepspeed.comm.comm")
-    if comm is not None and getattr(comm, "cdb", None) is not None:
-        comm.cdb = None
 
 
 def drop_stale_deepspeed_groups() -> None:
     """DeepSpeed caches sub-groups of the first world it saw (`deepspeed.utils.groups`); after
     that world was destroyed and a new default group made, those handles are invalid. Drop
     any that the current world does not know, so the next engine builds fresh ones."""
-    import sys
-
-    groups = sys.modules.get("deepspeed.utils.groups")
-    if groups is None:
-        return
-    for name in ("_WORLD_GROUP", "_DATA_PARALLEL_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP",
-                 "_MODEL_PARALLEL_GROUP", "_TENSOR_MODEL_PARALLEL_GROUP"):
-        group = getattr(groups, name, None)
-        if group is not None and not _registered(group):
-            setattr(groups, name, None)
+    drop_cached_groups(_registered)
 
 
 def _registered(group) -> bool:

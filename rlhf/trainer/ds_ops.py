@@ -21,6 +21,8 @@ import logging
 import os
 from pathlib import Path
 
+from rlhf.trainer.deepspeed_internals import mark_op_incompatible
+
 log = logging.getLogger(__name__)
 
 SHM_OP = "deepspeed_shm_comm"
@@ -80,10 +82,8 @@ def prepare_cpu_comm() -> str:
 
     if get_accelerator().device_name() != "cpu":
         return ""
-    import deepspeed.ops
-
     if os.environ.get(ENV_USE_SHM, "") == "1":
         remove_stale_locks()
         return "built"
-    deepspeed.ops.__compatible_ops__[SHM_OP] = False
+    mark_op_incompatible(SHM_OP)
     return "skipped"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from rlhf.config import PPOConfig
+from rlhf.trainer.deepspeed_internals import consolidated_16bit_state_dict
 
 
 def ds_config(cfg: PPOConfig, lr: float, weight_decay: float, grad_clip: float, micro: int,
@@ -104,10 +105,7 @@ def _client_master_optimizer(ds_cfg: dict, params: list) -> tuple[dict, object]:
 def full_state_dict(engine) -> dict[str, torch.Tensor]:
     """The engine's module weights, gathered when ZeRO-3 partitions them (rank 0 gets them)."""
     if engine.zero_optimization_stage() == 3:
-        # DeepSpeed's private gather: its public `save_16bit_model` runs this same gather but
-        # writes the result with torch.save, and the weights are needed in memory (checked for
-        # non-finite values, then written as safetensors by the checkpoint writer).
-        return engine._zero3_consolidated_16bit_state_dict()
+        return consolidated_16bit_state_dict(engine)
     return {k: v.detach() for k, v in engine.module.state_dict().items()}
 
 

@@ -9,6 +9,7 @@ from flytekit.types.directory import FlyteDirectory
 
 from containers.images import CPU_IMAGE, GPU_IMAGE
 from rlhf.train import stateless as P
+from rlhf.train import setup as S
 from rlhf.round import stages
 from rlhf.config import PPOConfig
 from rlhf.tracking.plots import metrics_html, training_html
@@ -30,10 +31,10 @@ def evaluate(cfg: PPOConfig, policy: FlyteDirectory, val: Prompts, state: RoundS
     segment's own decision stopped before its last round is passed on as it is."""
     if state.stop_reason:
         return Evaluated(state=state, score=state.last_val)
-    sink = P.tracking_sink(cfg, run_id, state)
+    sink = S.tracking_sink(cfg, run_id, state)
     with retry_transient():
         new, metrics = P.evaluate_policy(cfg, local_copy(policy), val, state, sink)
-    new = P.keep_pending(sink, new)
+    new = S.keep_pending(sink, new)
     Deck("validation", metrics_html(metrics, f"step {new.global_step}: val score {new.last_val:.4f} "
                                              f"(best {new.best_val:.4f}, start {new.val_start:.4f})"))
     return Evaluated(state=new, score=stages.val_score(metrics))

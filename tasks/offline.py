@@ -6,7 +6,7 @@ from flytekit import task
 from flytekit.types.directory import FlyteDirectory
 
 from containers.images import CPU_IMAGE
-from rlhf.train import stateless as P
+from rlhf.train import setup as S
 from rlhf.round import stages
 from rlhf.config import ConfigError, PPOConfig, replace
 from rlhf.round.state import RoundState
@@ -20,7 +20,7 @@ def offline_rollout(cfg: PPOConfig, policy: FlyteDirectory, state: RoundState) -
     from rlhf.round.offline import offline_rollouts
 
     with retry_transient():
-        reward_model = stages.load_reward_model(cfg, P.pick_device(cfg))
+        reward_model = stages.load_reward_model(cfg, S.pick_device(cfg))
         return offline_rollouts(cfg, policy.download(), state.round, reward_model)
 
 

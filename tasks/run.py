@@ -13,6 +13,7 @@ from flytekit.types.error import FlyteError
 
 from containers.images import CPU_IMAGE
 from rlhf.train import stateless as P
+from rlhf.train import setup as S
 from rlhf.config import PPOConfig, derive_sizes, replace
 from rlhf.tracking.plots import training_html
 from rlhf.round.state import RoundState
@@ -40,7 +41,7 @@ def start_tracking(cfg: PPOConfig) -> str:
     from rlhf.tracking.status import LAUNCH_TAG
 
     with retry_transient():
-        return P.open_tracking(cfg, tags={LAUNCH_TAG: launch()})
+        return S.open_tracking(cfg, tags={LAUNCH_TAG: launch()})
 
 
 def launch() -> str:
@@ -113,7 +114,7 @@ def report(cfg: PPOConfig, state: RoundState, run_id: str, model: Optional[Flyte
     Deck(DECK, training_html(state, reason))
     table = P.metrics_table(state)
     Deck("metrics table", table.to_html(index=False, float_format=lambda x: f"{x:.5g}"))
-    sink = P.tracking_sink(cfg, run_id, state)
+    sink = S.tracking_sink(cfg, run_id, state)
     summary = P.summary(cfg, state)
     policy = (getattr(model, "remote_source", None) or model.path) if model is not None else ""
     with retry_transient():

@@ -19,7 +19,7 @@ from flytekit import Deck, task
 from flytekit.types.directory import FlyteDirectory
 
 from containers.images import GPU_IMAGE
-from rlhf.train import stateless as P
+from rlhf.train import setup as S
 from rlhf.config import PPOConfig
 from rlhf.train.segment import run_segment, segment_end
 from rlhf.round.state import RoundState
@@ -36,7 +36,7 @@ Segment = NamedTuple("Segment", [("checkpoint", FlyteDirectory), ("policy", Flyt
 
 def _segment(cfg: PPOConfig, train: Prompts, val: Prompts, base_model: FlyteDirectory,
              checkpoint: Optional[FlyteDirectory], state: RoundState, run_id: str) -> Segment:
-    sink = P.tracking_sink(cfg, run_id, state) if rank() == 0 else None
+    sink = S.tracking_sink(cfg, run_id, state) if rank() == 0 else None
     # The writer thread uploads each sealed checkpoint: it runs in this task's Flyte context
     # (a ContextVar, which a new thread would not see).
     context = contextvars.copy_context()
@@ -51,7 +51,7 @@ def _segment(cfg: PPOConfig, train: Prompts, val: Prompts, base_model: FlyteDire
         r = run_segment(cfg, local_copy(base_model), train, val, local_copy(checkpoint) if checkpoint else None,
                         state, workdir("segment"), sink=sink, resume=str(resume) if resume else None,
                         on_checkpoint=lambda path: context.run(intratask.save, path), on_round=round_line)
-    out = P.keep_pending(sink, r.state) if sink is not None else r.state
+    out = S.keep_pending(sink, r.state) if sink is not None else r.state
     Deck("segment", r.metrics.to_html(index=False, float_format=lambda x: f"{x:.5g}"))
     ckpt_dir, policy, out = checkpoint_outputs(r.checkpoint, out, cfg.trainer.max_ckpt_to_keep)
     return Segment(checkpoint=ckpt_dir, policy=policy, state=out, steps=r.steps, metrics=r.metrics,

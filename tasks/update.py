@@ -28,6 +28,7 @@ from flytekitplugins.kfpytorch.task import PytorchElasticFunctionTask
 
 from containers.images import GPU_IMAGE
 from rlhf.train import stateless as P
+from rlhf.train import setup as S
 from rlhf.config import PPOConfig
 from rlhf.round.state import RoundState
 from tasks.base import (GPU, GPU_RETRIES, TRACKING_SECRETS, Scored, gpu_resources, local_copy, rank,
@@ -49,9 +50,9 @@ class RunShapedElastic(Elastic):
 
 class RunShapedElasticTask(PytorchElasticFunctionTask):
     def execute(self, **kwargs) -> Any:
-        self._task_config = elastic_for(kwargs["cfg"])
-        self.min_nodes, self.max_nodes = self.min_nodes_max_nodes(self._task_config)
-        if self.max_nodes == 1 and self._task_config.nproc_per_node == 1:
+        _set_task_config(self, elastic_for(kwargs["cfg"]))
+        self.min_nodes, self.max_nodes = self.min_nodes_max_nodes(self.task_config)
+        if self.max_nodes == 1 and self.task_config.nproc_per_node == 1:
             # One rank: the launcher would only add a process start (imports, ~10 s); the
             # engine makes its own one-rank process group in this process instead.
             return PythonFunctionTask.execute(self, **kwargs)
@@ -62,6 +63,14 @@ class RunShapedElasticTask(PytorchElasticFunctionTask):
         from torch.distributed import run
 
         return run.parse_min_max_nnodes(str(config.nnodes))
+
+
+def _set_task_config(task: PythonFunctionTask, config: Elastic) -> None:
+    """Give `task` the torchrun shape `config`. flytekit's `task_config` is a read-only
+    property over the private `_task_config`, set when the task is declared; the shape of a
+    run is known only from the task's `cfg` input when it executes, so this is the one place
+    that writes the private attribute (the plugin's `execute` reads `task_config`)."""
+    task._task_config = config
 
 
 TaskPlugins.register_pythontask_plugin(RunShapedElastic, RunShapedElasticTask)
@@ -98,11 +107,11 @@ def checkpoint_outputs(local: str, state: RoundState, keep: int
 
 def _update(cfg: PPOConfig, base_model: FlyteDirectory, checkpoint: Optional[FlyteDirectory], scored: Scored,
             state: RoundState, run_id: str) -> Updated:
-    sink = P.tracking_sink(cfg, run_id, state) if rank() == 0 else None
+    sink = S.tracking_sink(cfg, run_id, state) if rank() == 0 else None
     with retry_transient():
         r = P.update_from_checkpoint(cfg, local_copy(base_model), local_copy(checkpoint) if checkpoint else None,
                                      scored, state, workdir("checkpoints"), sink=sink)
-    out = P.keep_pending(sink, r.state) if sink is not None else r.state
+    out = S.keep_pending(sink, r.state) if sink is not None else r.state
     ckpt_dir, policy, out = checkpoint_outputs(r.checkpoint, out, cfg.trainer.max_ckpt_to_keep)
     return Updated(checkpoint=ckpt_dir, policy=policy, state=out, steps=r.steps)
 

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 import torch
 
-from rlhf.train import stateless as P
+from rlhf.train import setup as P
 from rlhf.round import stages
 from rlhf.config import derive_sizes, load_config
 from rlhf.rollout.base import RolloutBatch

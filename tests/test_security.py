@@ -177,7 +177,7 @@ def test_engine_state_is_read_weights_only_and_pickled_code_is_refused(secret_ru
     """A fresh trainer restores the ZeRO-1 checkpoint (optimizer shards included) through the
     weights-only reader; the same checkpoint with a file replaced by a pickle that would run
     code is refused, and the code does not run."""
-    from rlhf.train import stateless as P
+    from rlhf.train import setup as P
     from rlhf.config import derive_sizes
     from rlhf.trainer import dist as D
     from rlhf.trainer.safe_checkpoint import UnsafeCheckpointError

@@ -271,7 +271,7 @@ def test_buffered_records_leave_with_the_task_and_the_next_task_sends_them(sqlit
 
     from mlflow.tracking import MlflowClient
 
-    from rlhf.train import stateless as P
+    from rlhf.train import setup as P
     from rlhf.config import load_config
     from rlhf.round.state import RoundState
 

@@ -1,5 +1,5 @@
-"""`python -m rlhf.train`: the in-process driver's command line."""
+"""`python -m rlhf.train`: the in-process driver's command line (`rlhf.train.cli`)."""
 
-from rlhf.train import main
+from rlhf.train.cli import main
 
 main()

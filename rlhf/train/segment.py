@@ -1,5 +1,5 @@
 """A colocated segment: K consecutive rounds in one process group, as the in-process
-driver runs them (`rlhf.train.run_rounds`), started from a checkpoint and a `RoundState`.
+driver runs them (`rlhf.train.inprocess.run_rounds`), started from a checkpoint and a `RoundState`.
 
     run_segment(cfg, base_dir, train, val, checkpoint, state, out_dir)  -> SegmentResult
 
@@ -26,6 +26,7 @@ from rlhf.round import checkpoint as ckpt
 from rlhf.round import stages
 from rlhf.config import PPOConfig
 from rlhf.round.state import RoundState
+from rlhf.train.inprocess import Run, run_rounds
 from rlhf.trainer import dist as D
 
 
@@ -75,8 +76,6 @@ def run_segment(cfg: PPOConfig, base_dir: str, train: pd.DataFrame, val: pd.Data
     arguments; `on_checkpoint` (called once a checkpoint is sealed, in the checkpoint writer's
     thread) and the returned tables are rank 0's business; `on_round(run)` runs after every
     round (progress, benchmarks)."""
-    from rlhf.train import Run, run_rounds
-
     end = segment_end(cfg, state.round)
     if state.round >= cfg.trainer.total_rounds:
         raise ValueError(f"the run is at round {state.round} of trainer.total_rounds={cfg.trainer.total_rounds}: "

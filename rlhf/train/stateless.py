@@ -8,8 +8,10 @@ A stateless driver (one Flyte task per stage) instead passes files and small val
 
 Each function here loads what it needs (a model directory, a checkpoint with the
 DeepSpeed optimizer state), runs one stage from `rlhf.round.stages`, and returns tables,
-directories and the `RoundState`. Both drivers share the trainer construction, the
-checkpoint format, the rollout seeds and the per-step metrics defined here, so the
+directories and the `RoundState`. Both drivers follow the rules defined here (rollout
+and update seeds, the validation schedule, the state after an update, the per-step
+metrics, the summary) and share the set-up of `rlhf.train.setup` (device and process
+group, trainer, rollout engine, tracking sink, validation, the checkpoint save), so the
 same config and seed give the same rounds either way.
 """
 
@@ -29,9 +31,9 @@ import torch
 
 from rlhf.round import checkpoint as ckpt
 from rlhf.round import stages
-from rlhf.config import DataConfig, ModelConfig, PPOConfig, Sizes, TrainerConfig, derive_sizes
-from rlhf.round.state import RoundState, record_steps, record_val
-from rlhf.trainer import dist as D
+from rlhf.config import DataConfig, ModelConfig, PPOConfig, TrainerConfig
+from rlhf.round.state import RoundState, record_steps
+import rlhf.train.setup as S
 
 # ---------------------------------------------------------------------------------
 # Rules both drivers follow
@@ -92,45 +94,6 @@ def store_rollouts(cfg: PPOConfig, scored: pd.DataFrame, round_: int, rank: int 
         from rlhf.data.rollouts import write_round_rollouts
 
         write_round_rollouts(cfg.trainer.rollout_data_dir, scored, round_, rank)
-
-
-def pick_device(cfg: PPOConfig) -> torch.device:
-    """The configured device; on CPU, torch runs `trainer.num_threads` threads (as `rlhf.train` does)."""
-    device = D.pick_device(cfg.trainer.device)
-    if device.type == "cpu" and cfg.trainer.num_threads > 0:
-        torch.set_num_threads(cfg.trainer.num_threads)
-    return device
-
-
-def build_trainer(cfg: PPOConfig, sizes: Sizes, base_dir: str, device: torch.device,
-                  resume: Optional[Path] = None):
-    """A `PPOTrainer`: actor and critic from checkpoint `resume` (its safetensors models) or,
-    without one, from the base policy; the frozen reference is always the base policy.
-    The optimizer state is not loaded here (`rlhf.round.checkpoint.restore` does that)."""
-    from rlhf.models.load import ValueModel, frozen_reference, load_causal_lm, load_options
-    from rlhf.trainer.ppo import PPOTrainer
-
-    m = cfg.model
-    opts = load_options(m)
-    actor = load_causal_lm(str(resume / "actor") if resume else base_dir, dtype=m.dtype, **opts)
-    critic = None
-    if cfg.algorithm.adv_estimator == "gae":
-        if resume:
-            critic = ValueModel.from_pretrained(str(resume / "critic"), dtype=m.dtype, **opts)
-        else:
-            critic = ValueModel.from_causal_lm_dir(critic_source(cfg, base_dir), dtype=m.dtype, **opts)
-    ref = frozen_reference(base_dir, dtype=m.dtype, **opts)
-    return PPOTrainer(cfg, sizes, actor, critic, ref, device)
-
-
-def critic_source(cfg: PPOConfig, base_dir: str) -> str:
-    """The critic's starting backbone: `model.critic_path` (a GGUF file converted through the
-    cache) or the base policy."""
-    if not cfg.model.critic_path:
-        return base_dir
-    from rlhf.models.gguf import resolve_model_path
-
-    return resolve_model_path(cfg.model.critic_path, allow_network=cfg.model.allow_network)
 
 
 def count_tokens(rollouts: pd.DataFrame) -> float:
@@ -233,23 +196,13 @@ def prepare_base_model(model: ModelConfig, seed: int, sft: pd.DataFrame, out_dir
 # ---------------------------------------------------------------------------------
 
 
-def _make_engine(cfg: PPOConfig, model_dir: str, device: torch.device):
-    from rlhf.models.load import load_options, load_tokenizer
-    from rlhf.rollout import make_engine
-
-    tokenizer = load_tokenizer(model_dir, **load_options(cfg.model))
-    engine = make_engine(cfg.rollout.name, model_dir, tokenizer, cfg.rollout, seed=cfg.trainer.seed,
-                         device=str(device), dtype=cfg.model.dtype, **load_options(cfg.model))
-    return engine, tokenizer
-
-
 def rollout_policy(cfg: PPOConfig, model_dir: str, prompts: pd.DataFrame, state: RoundState
                    ) -> tuple[pd.DataFrame, dict[str, float]]:
     """`rollout.n` sampled responses per prompt from the policy saved in `model_dir`
     (a RolloutSchema table) and the rollout metrics, with the round's seed."""
-    device = pick_device(cfg)
+    device = S.pick_device(cfg)
     t = time.perf_counter()
-    engine, tokenizer = _make_engine(cfg, model_dir, device)
+    engine, tokenizer = S.policy_engine(cfg, model_dir, device)
     built = time.perf_counter()
     try:
         rollouts = stages.rollout(engine, tokenizer, prompts, cfg, seed=rollout_seed(cfg, state.round))
@@ -263,7 +216,7 @@ def rollout_policy(cfg: PPOConfig, model_dir: str, prompts: pd.DataFrame, state:
 
 def score_rollouts(cfg: PPOConfig, rollouts: pd.DataFrame) -> pd.DataFrame:
     """The rollouts with their reward (ScoredRolloutSchema)."""
-    reward_model = stages.load_reward_model(cfg, pick_device(cfg))
+    reward_model = stages.load_reward_model(cfg, S.pick_device(cfg))
     return stages.score(rollouts, cfg, reward_model)
 
 
@@ -289,92 +242,66 @@ def update_from_checkpoint(cfg: PPOConfig, base_model_dir: str, checkpoint_dir: 
     Profiler traces of the round (`trainer.profile_steps`) go inside the new checkpoint
     (`profile/`). Every round writes a checkpoint (the next round starts from it); of those
     under `out_dir`, the newest stays and, beyond it, the newest `trainer.max_ckpt_to_keep`
-    of the rounds `trainer.save_freq` picks.
+    of the rounds `trainer.save_freq` picks (`setup.save_checkpoint`).
 
     Under torchrun every rank calls this with the same arguments: each trains on its shard
     of the rows and writes its optimizer shards; rank 0's `out_dir` is used by all ranks.
     """
-    device = pick_device(cfg)
-    rank, world = D.init_distributed(device)
-    torch.manual_seed(cfg.trainer.seed)
-    stages.check_sizes(cfg, world)
-    out = Path(D.broadcast_object(str(out_dir)))
+    proc = S.start_process(cfg, out_dir)
     timing: dict[str, float] = {}
-    trainer, tokenizer = _load_trainer(cfg, base_model_dir, checkpoint_dir, state, rank, world, device, timing)
-    local = stages.shard_for_update(scored, cfg, rank, world)
-    from rlhf.tracking.profiling import StepProfiler
-
-    traces = out / f".profile_{ckpt.round_dir_name(state.round + 1)}"
-    profiler = StepProfiler(cfg.trainer.profile_steps, traces, device, rank)
+    resume = Path(checkpoint_dir) if checkpoint_dir else None
     t = time.perf_counter()
-    torch.manual_seed(update_seed(cfg, state.round, rank))
-    with profiler.update(state.global_step + 1, cfg.trainer.steps_per_round, sink if rank == 0 else None):
-        steps = stages.update(trainer, local, tokenizer.pad_token_id, cfg)
-    timing["timing_s/update"] = time.perf_counter() - t
+    if resume:
+        S.verify_checkpoint(resume, proc.rank)
+    timing["timing_s/verify_checkpoint"] = time.perf_counter() - t
+    tokenizer = S.load_tokenizer(cfg, base_model_dir)
+    trainer, _ = S.load_trainer(cfg, proc.sizes, base_model_dir, proc.device, resume, state, timing)
+    traces = proc.out / f".profile_{ckpt.round_dir_name(state.round + 1)}"
+    steps = _update(cfg, trainer, tokenizer, stages.shard_for_update(scored, cfg, proc.rank, proc.world), state,
+                    proc, traces, sink if proc.rank == 0 else None, timing)
     steps = step_metrics(steps, stages.rollout_metrics(scored, cfg), {"timing_s/update": timing["timing_s/update"]},
-                         count_tokens(scored), world, trainer, device)
-    if sink is not None and rank == 0:
+                         count_tokens(scored), proc.world, trainer, proc.device)
+    if sink is not None and proc.rank == 0:
         for i, m in enumerate(steps):
             sink.log_metrics(m, step=state.global_step + i + 1)
     new = record_update(state, steps, trainer.kl_ctrl.value)
     t = time.perf_counter()
-    tc = cfg.trainer
-    final = ckpt.save(out / ckpt.round_dir_name(new.round), trainer, tokenizer, cfg, new,
-                      extra={"profile": traces / "profile"},
-                      after_seal=lambda: ckpt.prune_dir(out, tc.max_ckpt_to_keep, lambda r: ckpt.is_save_point(tc, r)))
-    if rank == 0:
-        shutil.rmtree(traces, ignore_errors=True)
+    final = S.save_checkpoint(proc.out, trainer, tokenizer, cfg, new, extra={"profile": traces / "profile"},
+                              on_sealed=lambda path: shutil.rmtree(traces, ignore_errors=True))
     timing["timing_s/save_checkpoint"] = time.perf_counter() - t
     return UpdateResult(checkpoint=str(final), state=new, steps=steps, timing=timing)
 
 
-def _load_trainer(cfg: PPOConfig, base_model_dir: str, checkpoint_dir: Optional[str], state: RoundState,
-                  rank: int, world: int, device: torch.device, timing: dict[str, float]):
-    """The trainer at the start of the round: checkpoint `checkpoint_dir` verified (by rank 0,
-    which tells the others), its models and engines built, its optimizer state restored (or
-    the base policy's, fresh)."""
-    from rlhf.models.load import load_options, load_tokenizer
+def _update(cfg: PPOConfig, trainer, tokenizer, local: pd.DataFrame, state: RoundState, proc: S.Process,
+            traces: Path, sink, timing: dict[str, float]) -> list[dict[str, float]]:
+    """The round's PPO steps on this rank's rows `local`, with the round's update seed; the
+    profiled steps' traces go under `traces`; `timing_s/update` to `timing`."""
+    from rlhf.tracking.profiling import StepProfiler
 
-    resume = Path(checkpoint_dir) if checkpoint_dir else None
+    profiler = StepProfiler(cfg.trainer.profile_steps, traces, proc.device, proc.rank)
     t = time.perf_counter()
-    if resume:
-        reason = D.broadcast_object(ckpt.why_incomplete(resume) if rank == 0 else None)
-        if reason:
-            raise ckpt.corrupt(resume, reason)
-    timing["timing_s/verify_checkpoint"] = time.perf_counter() - t
-    t = time.perf_counter()
-    tokenizer = load_tokenizer(base_model_dir, **load_options(cfg.model))
-    trainer = build_trainer(cfg, derive_sizes(cfg, world), base_model_dir, device, resume)
-    timing["timing_s/build_trainer"] = time.perf_counter() - t
-    t = time.perf_counter()
-    if resume:
-        ckpt.restore(trainer, resume, state)
-    else:
-        ckpt.apply_state(trainer, state)
-    timing["timing_s/restore"] = time.perf_counter() - t
-    return trainer, tokenizer
+    torch.manual_seed(update_seed(cfg, state.round, proc.rank))
+    with profiler.update(state.global_step + 1, cfg.trainer.steps_per_round, sink):
+        steps = stages.update(trainer, local, tokenizer.pad_token_id, cfg)
+    timing["timing_s/update"] = time.perf_counter() - t
+    return steps
 
 
 def evaluate_policy(cfg: PPOConfig, model_dir: str, val: pd.DataFrame, state: RoundState, sink=None
                     ) -> tuple[RoundState, dict[str, float]]:
     """Greedy validation of the policy saved in `model_dir`; the score is recorded in the state."""
-    device = pick_device(cfg)
+    device = S.pick_device(cfg)
     t = time.perf_counter()
-    engine, tokenizer = _make_engine(cfg, model_dir, device)
-    samples: list[dict] = []
+    engine, tokenizer = S.policy_engine(cfg, model_dir, device)
     built = time.perf_counter()
     try:
-        metrics = stages.evaluate(engine, tokenizer, val, cfg, stages.load_reward_model(cfg, device), samples=samples)
+        new, metrics, samples = S.evaluate(engine, tokenizer, val, cfg, stages.load_reward_model(cfg, device), state)
     finally:
         engine.close()
     metrics["timing_s/testing"] = time.perf_counter() - t
     metrics["timing_s/testing_engine_build"] = built - t
-    new = record_val(state, stages.val_score(metrics), cfg.early_stop.min_delta)
     if sink is not None:
-        from rlhf.tracking.artifacts import log_generations
-
-        sink.log_metrics(metrics, step=new.global_step)
-        log_generations(sink, new.global_step, samples, cfg.trainer.output_dir)
+        S.log_evaluation(sink, new.global_step, metrics, samples, cfg.trainer.output_dir)
     return new, metrics
 
 
@@ -414,52 +341,3 @@ def metrics_table(state: RoundState) -> pd.DataFrame:
     table = steps.merge(vals, on="step", how="outer").sort_values("step", kind="stable").reset_index(drop=True)
     table["step"] = table["step"].astype("int64")
     return table
-
-
-# ---------------------------------------------------------------------------------
-# Tracking across stateless stages: one MLflow run, resumed by id
-# ---------------------------------------------------------------------------------
-
-
-def open_tracking(cfg: PPOConfig, run_name: Optional[str] = None, tags: Optional[dict] = None) -> str:
-    """Create the run's MLflow run (params logged, `tags` set) when `trainer.logger` lists
-    mlflow; returns its id, or "" when MLflow is not used."""
-    if "mlflow" not in cfg.trainer.logger:
-        return ""
-    from rlhf.tracking.sinks import make_sink
-
-    sink = make_sink(["mlflow"], cfg, run_name=run_name, tags=tags)
-    return sink.run_id
-
-
-def tracking_sink(cfg: PPOConfig, run_id: str = "", state: Optional[RoundState] = None):
-    """The configured sinks, with MLflow resuming run `run_id` (not closed by the stages) and
-    wandb the run `state.wandb_id`; MLflow records an earlier task left in `state` (its server
-    was down) are sent first. No console sink, since `decide` prints the round's line."""
-    from rlhf.tracking.sinks import NullSink, make_sink
-
-    names = [n for n in cfg.trainer.logger if (n != "mlflow" or run_id) and n != "console"]
-    if not names:
-        return NullSink()
-    sink = make_sink(names, cfg, run_id=run_id or None, wandb_id=(state.wandb_id if state else "") or None)
-    buffered = _buffered(sink)
-    if buffered is not None and state is not None:
-        buffered.import_pending(state.tracking_pending)
-    return sink
-
-
-def keep_pending(sink, state: RoundState) -> RoundState:
-    """`state` carrying the MLflow records `sink` could not send yet (else none), so that they
-    leave the task with its output instead of staying in its pod's buffer directory."""
-    buffered = _buffered(sink)
-    return replace(state, tracking_pending=buffered.export_pending() if buffered is not None else [])
-
-
-def _buffered(sink):
-    from rlhf.tracking.sinks import MultiSink
-    from rlhf.tracking.buffer import BufferedMLflowSink
-
-    for s in sink.sinks if isinstance(sink, MultiSink) else [sink]:
-        if isinstance(s, BufferedMLflowSink):
-            return s
-    return None

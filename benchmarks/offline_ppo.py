@@ -52,17 +52,17 @@ class Recorder:
 
 
 def run_arm(overrides: list[str]) -> dict:
-    import rlhf.tracking.sinks
+    import rlhf.tracking.make
     from rlhf.config import load_config
     from rlhf.train import train
 
     rec = Recorder()
-    make_sink, rlhf.tracking.sinks.make_sink = rlhf.tracking.sinks.make_sink, lambda *a, **k: rec
+    make_sink, rlhf.tracking.make.make_sink = rlhf.tracking.make.make_sink, lambda *a, **k: rec
     try:
         t = time.perf_counter()
         summary = train(load_config(None, overrides))
     finally:
-        rlhf.tracking.sinks.make_sink = make_sink
+        rlhf.tracking.make.make_sink = make_sink
     steps = [m for m in rec.logged if "actor/pg_loss" in m]
     keys = sorted({k for m in steps for k in m if k.startswith("rollout_corr/")})
     return {"start_accuracy": summary["val_score_start"], "end_accuracy": summary["val_score_end"],

@@ -248,7 +248,7 @@ def open_trial_run(p: Planned, parent_run_id: str, study_name: str) -> str:
     """A nested MLflow run for a trial (its whole config as params), or "" without a parent."""
     if not parent_run_id or p.cfg is None:
         return ""
-    from rlhf.tracking.sinks import make_sink
+    from rlhf.tracking.make import make_sink
 
     sink = make_sink(["mlflow"], p.cfg, run_name=f"{study_name} trial {p.number}", parent_run_id=parent_run_id)
     sink.set_tags({"sweep.study": study_name, "sweep.trial": p.number, "sweep.default": p.is_default,
@@ -260,7 +260,7 @@ def open_confirm_run(run: ConfirmRun, cfg: PPOConfig, parent_run_id: str, study_
     """A nested MLflow run for one confirm re-run, or "" without a parent."""
     if not parent_run_id:
         return ""
-    from rlhf.tracking.sinks import make_sink
+    from rlhf.tracking.make import make_sink
 
     sink = make_sink(["mlflow"], cfg, run_name=f"{study_name} confirm {run.label} seed {run.seed}",
                      parent_run_id=parent_run_id)

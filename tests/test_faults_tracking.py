@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.tracking.sinks import BufferedMLflowSink
+from rlhf.tracking.buffer import BufferedMLflowSink
 from tests.conftest import _free_port, _stop, _wait_healthy
 from tests.test_trainer import tiny_cfg
 

@@ -126,7 +126,7 @@ def test_buffered_tracking_warnings_do_not_show_the_uri_password(tmp_path, monke
     name the server with the password redacted, and the buffer files do not hold it."""
     import socket
 
-    from rlhf.tracking.sinks import BufferedMLflowSink
+    from rlhf.tracking.buffer import BufferedMLflowSink
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from rlhf.config import PPOConfig, flatten, from_dict
+from rlhf.tracking.buffer import BufferedMLflowSink
+from rlhf.tracking.make import make_sink
 from rlhf.tracking.sinks import (
     PARAM_VALUE_MAX,
-    BufferedMLflowSink,
     ConsoleSink,
     MLflowSink,
     MultiSink,
@@ -18,7 +19,6 @@ from rlhf.tracking.sinks import (
     Sink,
     clean_metrics,
     format_step,
-    make_sink,
     mlflow_key,
     param_value,
 )

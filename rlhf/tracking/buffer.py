@@ -2,7 +2,7 @@
 
 While the tracking server does not answer, every call is buffered in a local JSON-lines
 file and sent when the server is back (or by the next run in the same output directory).
-`rlhf.tracking.sinks.make_sink` uses it for "mlflow"; `rlhf.tracking.sinks` re-exports it.
+`rlhf.tracking.make.make_sink` builds it for "mlflow".
 """
 
 from __future__ import annotations

@@ -5,10 +5,10 @@
   (`parent_run_id`) and resuming a run (`run_id`). Only this sink imports mlflow.
 - `BufferedMLflowSink` (`rlhf.tracking.buffer`): an `MLflowSink` that survives its
   server: while the server does not answer, calls are buffered in a local file and sent
-  when it is back (or by the next run in the same output directory). `make_sink` uses it
-  for "mlflow".
+  when it is back (or by the next run in the same output directory).
 - `WandbSink`: imported only when "wandb" is listed; offline unless `WANDB_MODE` says otherwise.
-- `NullSink`, `MultiSink`; `make_sink(names, cfg)` builds them from `trainer.logger`.
+- `NullSink`, `MultiSink`. `rlhf.tracking.make.make_sink(names, cfg)` builds the sinks
+  `trainer.logger` names.
 
 Non-finite metric values (NaN, +-inf) never crash a sink: every sink logs them as
 NaN (`clean_metrics`), so a diverged step shows up as a NaN point at its step rather
@@ -320,48 +320,3 @@ class MultiSink:
     def close(self, status: str = "FINISHED") -> None:
         for s in self.sinks:
             s.close(status)
-
-
-def make_sink(names: Iterable[str], cfg, run_name: str | None = None, run_id: str | None = None,
-              parent_run_id: str | None = None, wandb_id: str | None = None,
-              tags: dict[str, Any] | None = None) -> Sink:
-    """Sinks for `names` (trainer.logger: "console", "mlflow", "wandb", "none") from a PPOConfig.
-
-    MLflow: experiment `trainer.project_name`, run name `run_name` or `trainer.experiment_name`
-    (verl's mapping), buffered in `<output_dir>/mlflow_buffer` while the server does not answer
-    (`BufferedMLflowSink`), tracking URI `trainer.mlflow_tracking_uri` / $MLFLOW_TRACKING_URI / SQLite
-    in `trainer.output_dir`; the flattened config is logged as params. `run_id` resumes a run.
-    wandb: `wandb_id` resumes (or creates) the run of that id.
-    """
-    from rlhf.config import flatten
-
-    t = cfg.trainer
-    name = run_name or t.experiment_name
-    sinks: list[Sink] = []
-    for kind in dict.fromkeys(names):  # de-duplicated, order kept
-        if kind == "console":
-            sinks.append(ConsoleSink())
-        elif kind == "mlflow":
-            from rlhf.tracking.buffer import BufferedMLflowSink
-
-            sink = BufferedMLflowSink(os.path.join(t.output_dir, "mlflow_buffer"), t.mlflow_tracking_uri,
-                                      t.project_name, name, run_id=run_id, parent_run_id=parent_run_id,
-                                      tags=tags, output_dir=t.output_dir)
-            sink.log_params(flatten(cfg))
-            sinks.append(sink)
-        elif kind == "wandb":
-            sinks.append(WandbSink(t.project_name, name, flatten(cfg), output_dir=t.output_dir, run_id=wandb_id))
-        elif kind != "none":
-            raise ValueError(f"trainer.logger entry {kind!r} is unknown; choose from console, mlflow, wandb, none")
-    if not sinks:
-        return NullSink()
-    return sinks[0] if len(sinks) == 1 else MultiSink(sinks)
-
-
-def __getattr__(name: str):
-    """`rlhf.tracking.sinks.BufferedMLflowSink`, from `rlhf.tracking.buffer` (which builds on this module)."""
-    if name == "BufferedMLflowSink":
-        from rlhf.tracking.buffer import BufferedMLflowSink
-
-        return BufferedMLflowSink
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

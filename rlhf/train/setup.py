@@ -183,7 +183,8 @@ def run_sink(cfg: PPOConfig, rank: int):
     """The sinks of a driver that owns its tracked run (rank 0; the others log nothing),
     with the flattened config logged as parameters."""
     from rlhf.config import flatten
-    from rlhf.tracking.sinks import NullSink, make_sink
+    from rlhf.tracking.make import make_sink
+    from rlhf.tracking.sinks import NullSink
 
     if rank != 0:
         return NullSink()
@@ -197,7 +198,7 @@ def open_tracking(cfg: PPOConfig, run_name: Optional[str] = None, tags: Optional
     mlflow; returns its id, or "" when MLflow is not used."""
     if "mlflow" not in cfg.trainer.logger:
         return ""
-    from rlhf.tracking.sinks import make_sink
+    from rlhf.tracking.make import make_sink
 
     sink = make_sink(["mlflow"], cfg, run_name=run_name, tags=tags)
     return sink.run_id
@@ -207,7 +208,8 @@ def tracking_sink(cfg: PPOConfig, run_id: str = "", state: Optional[RoundState] 
     """The configured sinks, with MLflow resuming run `run_id` (not closed by the stages) and
     wandb the run `state.wandb_id`; MLflow records an earlier task left in `state` (its server
     was down) are sent first. No console sink, since `decide` prints the round's line."""
-    from rlhf.tracking.sinks import NullSink, make_sink
+    from rlhf.tracking.make import make_sink
+    from rlhf.tracking.sinks import NullSink
 
     names = _sink_names(cfg, mlflow=bool(run_id))
     if not names:

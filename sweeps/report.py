@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import yaml
 
-from rlhf.config import PPOConfig, to_dict
+from rlhf.config.schema import PPOConfig, to_dict
 from sweeps.budget import rounds_spent
 from sweeps.confirm import Confirmed
 from sweeps.space import apply

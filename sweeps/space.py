@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhf.config import PPOConfig, all_keys, replace
+from rlhf.config.load import replace
+from rlhf.config.schema import PPOConfig, all_keys
 
 
 @dataclass(frozen=True)

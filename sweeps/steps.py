@@ -14,7 +14,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from rlhf.config import ConfigError, PPOConfig, flatten, replace
+from rlhf.config.load import replace
+from rlhf.config.schema import ConfigError, PPOConfig, flatten
 from rlhf.config.keys import check_keys, from_json_checked
 from rlhf.round.state import RoundState
 from rlhf.tracking.study import set_trial_attr, stored_trial

@@ -32,7 +32,8 @@ from flytekit.types.directory import FlyteDirectory
 from flytekit.types.file import FlyteFile
 
 from containers.images import CPU_IMAGE
-from rlhf.config import PPOConfig, load_config
+from rlhf.config.load import load_config
+from rlhf.config.schema import PPOConfig
 from rlhf.round.state import RoundState
 from sweeps import report as R
 from sweeps.budget import next_batch_size, rounds_spent

@@ -11,7 +11,8 @@ from flytekit.types.directory import FlyteDirectory
 from containers.images import CPU_IMAGE
 from rlhf.train import stateless as P
 from rlhf.round import stages
-from rlhf.config import DataConfig, ModelConfig, PPOConfig, resolve_epochs
+from rlhf.config.schema import DataConfig, ModelConfig, PPOConfig
+from rlhf.config.sizes import resolve_epochs
 from rlhf.round.state import RoundState
 from tasks.base import CACHE_VERSION, CPU_MEDIUM, CPU_SMALL, Prompts, retry_transient, workdir
 

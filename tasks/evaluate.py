@@ -11,7 +11,7 @@ from containers.images import CPU_IMAGE, GPU_IMAGE
 from rlhf.train import stateless as P
 from rlhf.train import setup as S
 from rlhf.round import stages
-from rlhf.config import PPOConfig
+from rlhf.config.schema import PPOConfig
 from rlhf.tracking.plots import metrics_html, training_html
 from rlhf.round.state import RoundState, decide as decide_stop
 from rlhf.tracking.trial import TrialContext, check_pruning

@@ -8,7 +8,8 @@ from flytekit.types.directory import FlyteDirectory
 from containers.images import CPU_IMAGE
 from rlhf.train import setup as S
 from rlhf.round import stages
-from rlhf.config import ConfigError, PPOConfig, replace
+from rlhf.config.load import replace
+from rlhf.config.schema import ConfigError, PPOConfig
 from rlhf.round.state import RoundState
 from tasks.base import CPU_MEDIUM, CPU_SMALL, Scored, retry_transient
 

@@ -10,7 +10,9 @@ from flytekit.types.directory import FlyteDirectory
 
 from containers.images import CPU_IMAGE
 from rlhf.tracking import model_registry as R
-from rlhf.config import PPOConfig, derive_sizes, replace
+from rlhf.config.load import replace
+from rlhf.config.schema import PPOConfig
+from rlhf.config.sizes import derive_sizes
 from rlhf.tracking.sinks import default_tracking_uri
 from tasks.base import CPU_SMALL, TRACKING_SECRETS, retry_transient, workdir
 

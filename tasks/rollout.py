@@ -7,7 +7,7 @@ from flytekit.types.directory import FlyteDirectory
 
 from containers.images import CPU_IMAGE, GPU_IMAGE
 from rlhf.train import stateless as P
-from rlhf.config import PPOConfig
+from rlhf.config.schema import PPOConfig
 from rlhf.round.state import RoundState
 from tasks.base import (CPU_MEDIUM, GPU, GPU_RETRIES, Prompts, Rollouts, Scored, gpu_resources, local_copy,
                         retry_transient)

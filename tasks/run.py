@@ -14,7 +14,9 @@ from flytekit.types.error import FlyteError
 from containers.images import CPU_IMAGE
 from rlhf.train import stateless as P
 from rlhf.train import setup as S
-from rlhf.config import PPOConfig, derive_sizes, replace
+from rlhf.config.load import replace
+from rlhf.config.schema import PPOConfig
+from rlhf.config.sizes import derive_sizes
 from rlhf.tracking.plots import training_html
 from rlhf.round.state import RoundState
 from tasks.base import CPU_SMALL, DECK, DECK_FIELDS, TRACKING_SECRETS, launch_seconds, retry_transient

@@ -20,7 +20,7 @@ from flytekit.types.directory import FlyteDirectory
 
 from containers.images import GPU_IMAGE
 from rlhf.train import setup as S
-from rlhf.config import PPOConfig
+from rlhf.config.schema import PPOConfig
 from rlhf.train.segment import run_segment, segment_end
 from rlhf.round.state import RoundState
 from tasks import intratask

@@ -29,7 +29,7 @@ from flytekitplugins.kfpytorch.task import PytorchElasticFunctionTask
 from containers.images import GPU_IMAGE
 from rlhf.train import stateless as P
 from rlhf.train import setup as S
-from rlhf.config import PPOConfig
+from rlhf.config.schema import PPOConfig
 from rlhf.round.state import RoundState
 from tasks.base import (GPU, GPU_RETRIES, TRACKING_SECRETS, Scored, gpu_resources, local_copy, rank,
                         retry_transient, workdir)

@@ -25,7 +25,7 @@ from flytekit.types.directory import FlyteDirectory
 
 from containers.images import CPU_IMAGE
 from rlhf.train import stateless as P
-from rlhf.config import PPOConfig
+from rlhf.config.schema import PPOConfig
 from rlhf.train.segment import segment_end, segment_starts
 from rlhf.round.state import RoundState
 from rlhf.tracking.trial import TrialContext

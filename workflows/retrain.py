@@ -20,7 +20,7 @@ import pandas as pd
 from flytekit import ConcurrencyLimitBehavior, ConcurrencyPolicy, CronSchedule, LaunchPlan, conditional, workflow
 from flytekit.types.directory import FlyteDirectory
 
-from rlhf.config import PPOConfig, TrainerConfig
+from rlhf.config.schema import PPOConfig, TrainerConfig
 from tasks.data import prepare_policy
 from tasks.evaluate import score_policy
 from tasks.registry import download_champion, find_champion, promote, register_model, retrain_config

@@ -17,7 +17,7 @@ import json
 import numpy as np
 import pandas as pd
 
-from rlhf.config import SyntheticDataConfig
+from rlhf.config.schema import SyntheticDataConfig
 
 DATA_SOURCE = "synthetic/arithmetic"
 ALLOWED_OPERATORS = "+-*"

@@ -17,7 +17,7 @@ import os
 
 import pandas as pd
 
-from rlhf.config import ConfigError, PPOConfig
+from rlhf.config.schema import ConfigError, PPOConfig
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlhf.config import TinyModelConfig
+from rlhf.config.schema import TinyModelConfig
 
 
 def tiny_llama_config(cfg: TinyModelConfig, vocab_size: int, pad_token_id: int, bos_token_id: int,

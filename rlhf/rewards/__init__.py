@@ -14,7 +14,7 @@ import json
 import math
 from typing import Any, Callable, Sequence
 
-from rlhf.config import RewardConfig
+from rlhf.config.schema import RewardConfig
 from rlhf.config.registry import Registry
 from rlhf.rewards import arithmetic, gsm8k
 

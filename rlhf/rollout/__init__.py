@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from rlhf.config import RolloutConfig
+from rlhf.config.schema import RolloutConfig
 from rlhf.config.registry import Registry
 from rlhf.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from rlhf.config import RolloutConfig
+from rlhf.config.schema import RolloutConfig
 from rlhf.rollout.base import RolloutBatch, SamplingParams
 from rlhf.rollout.hf import check_params
 

@@ -279,7 +279,7 @@ def _engine_files(engine, save_dir: Path) -> list:
 def _write_small_files(tmp: Path, trainer, tokenizer, cfg, state, state_dicts: dict, extra: dict[str, Path]
                        ) -> list:
     """Rank 0: configs, tokenizers, `state.json` and `extra` now; the weights as `TensorFile`s."""
-    from rlhf.config import save_config
+    from rlhf.config.load import save_config
 
     files = hf_model_files(trainer.actor.module, state_dicts["actor"], tokenizer, tmp / "actor")
     if "critic" in state_dicts:

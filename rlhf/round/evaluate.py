@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from rlhf.config import RewardConfig
+from rlhf.config.schema import RewardConfig
 from rlhf.rollout.base import RolloutEngine, SamplingParams
 
 

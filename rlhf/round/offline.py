@@ -20,7 +20,8 @@ from __future__ import annotations
 import pandas as pd
 
 from rlhf.round import stages
-from rlhf.config import PPOConfig, derive_sizes
+from rlhf.config.schema import PPOConfig
+from rlhf.config.sizes import derive_sizes
 from rlhf.data.io import DataValidationError
 
 

@@ -20,7 +20,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from rlhf.config import GROUP_ESTIMATORS, PPOConfig, derive_sizes
+from rlhf.config.checks import GROUP_ESTIMATORS
+from rlhf.config.schema import PPOConfig
+from rlhf.config.sizes import derive_sizes
 from rlhf.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
 from rlhf.round.partition import balanced_rows
 from rlhf.round.state import RoundState

@@ -11,7 +11,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
-from rlhf.config import PPOConfig
+from rlhf.config.schema import PPOConfig
 
 # Metrics kept in the state's history (the full set goes to the tracker).
 HISTORY_KEYS = (

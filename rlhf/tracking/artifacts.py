@@ -32,7 +32,7 @@ def artifact_dir(output_dir: str | os.PathLike) -> Path:
 
 def log_config(sink, cfg, output_dir: str | os.PathLike) -> None:
     """The run's config as `config/config.yaml`."""
-    from rlhf.config import save_config
+    from rlhf.config.load import save_config
 
     path = artifact_dir(output_dir) / "config.yaml"
     save_config(cfg, path)

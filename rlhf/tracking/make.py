@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any, Iterable
 
-from rlhf.config import flatten
+from rlhf.config.schema import flatten
 from rlhf.tracking.buffer import BufferedMLflowSink
 from rlhf.tracking.sinks import ConsoleSink, MultiSink, NullSink, Sink, WandbSink
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 
-from rlhf.config import PPOConfig
+from rlhf.config.schema import PPOConfig
 from rlhf.train.cli import main
 from rlhf.train.inprocess import Run, resume_point, run_rounds, train
 

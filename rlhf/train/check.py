@@ -19,7 +19,9 @@ import logging
 import sys
 from dataclasses import dataclass, field
 
-from rlhf.config import ConfigError, PPOConfig, derive_sizes, load_config
+from rlhf.config.load import load_config
+from rlhf.config.schema import ConfigError, PPOConfig
+from rlhf.config.sizes import derive_sizes
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,8 @@ import argparse
 import logging
 from pathlib import Path
 
-from rlhf.config import ConfigError, load_config
+from rlhf.config.load import load_config
+from rlhf.config.schema import ConfigError
 from rlhf.train.inprocess import train
 from rlhf.trainer import dist as D
 

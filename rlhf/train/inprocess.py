@@ -18,7 +18,8 @@ from typing import Callable, Optional
 import pandas as pd
 import torch
 
-from rlhf.config import ConfigError, PPOConfig, resolve_epochs
+from rlhf.config.schema import ConfigError, PPOConfig
+from rlhf.config.sizes import resolve_epochs
 from rlhf.round import checkpoint as ckpt
 from rlhf.round import stages
 from rlhf.round.state import RoundState, Verdict, decide

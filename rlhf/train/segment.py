@@ -24,7 +24,7 @@ import pandas as pd
 
 from rlhf.round import checkpoint as ckpt
 from rlhf.round import stages
-from rlhf.config import PPOConfig
+from rlhf.config.schema import PPOConfig
 from rlhf.round.state import RoundState
 from rlhf.train.inprocess import Run, run_rounds
 from rlhf.trainer import dist as D

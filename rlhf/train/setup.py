@@ -45,7 +45,8 @@ from typing import Callable, Optional
 import pandas as pd
 import torch
 
-from rlhf.config import PPOConfig, Sizes, derive_sizes
+from rlhf.config.schema import PPOConfig
+from rlhf.config.sizes import Sizes, derive_sizes
 from rlhf.round import checkpoint as ckpt
 from rlhf.round import stages
 from rlhf.round.state import RoundState, record_val
@@ -182,7 +183,7 @@ def _sink_names(cfg: PPOConfig, mlflow: bool = True) -> list[str]:
 def run_sink(cfg: PPOConfig, rank: int):
     """The sinks of a driver that owns its tracked run (rank 0; the others log nothing),
     with the flattened config logged as parameters."""
-    from rlhf.config import flatten
+    from rlhf.config.schema import flatten
     from rlhf.tracking.make import make_sink
     from rlhf.tracking.sinks import NullSink
 

@@ -12,7 +12,8 @@ import json
 import sys
 import time
 
-from rlhf.config import ConfigError, load_config
+from rlhf.config.load import load_config
+from rlhf.config.schema import ConfigError
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

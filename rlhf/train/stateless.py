@@ -31,7 +31,7 @@ import torch
 
 from rlhf.round import checkpoint as ckpt
 from rlhf.round import stages
-from rlhf.config import DataConfig, ModelConfig, PPOConfig, TrainerConfig
+from rlhf.config.schema import DataConfig, ModelConfig, PPOConfig, TrainerConfig
 from rlhf.round.state import RoundState, record_steps
 import rlhf.train.setup as S
 

@@ -7,7 +7,7 @@ import os
 
 import pandas as pd
 
-from rlhf.config import PPOConfig
+from rlhf.config.schema import PPOConfig
 from rlhf.models.load import save_model_atomic
 from rlhf.trainer.sft import sft_warm_start
 from rlhf.models.tiny import build_tiny_model

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf.config import PPOConfig
+from rlhf.config.schema import PPOConfig
 from rlhf.trainer.deepspeed_internals import consolidated_16bit_state_dict
 
 

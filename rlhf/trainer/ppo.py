@@ -31,7 +31,9 @@ import torch
 
 from rlhf import algos
 from rlhf.algos.correction import compute_rollout_correction
-from rlhf.config import PPOConfig, Sizes, correction_settings
+from rlhf.config.checks import correction_settings
+from rlhf.config.schema import PPOConfig
+from rlhf.config.sizes import Sizes
 from rlhf.trainer import dist as D
 from rlhf.trainer import forward as F
 from rlhf.trainer.batch import PPOBatch

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from rlhf.config import SFTConfig
+from rlhf.config.schema import SFTConfig
 
 IGNORE = -100
 

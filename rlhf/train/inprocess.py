@@ -5,7 +5,7 @@ torchrun), the trainer, the rollout engine and the tables held in memory across 
 decision, checkpoint); `run_rounds` the round loop it shares with a colocated segment
 (`rlhf.train.segment`); `train(cfg)` a whole run, returning the summary (also written to
 `<output_dir>/summary.json`). The set-up and the checkpoint save are `rlhf.train.setup`'s,
-the rules of a round (seeds, validation schedule, per-step metrics) `rlhf.train.stateless`'s.
+the rules of a round (seeds, validation schedule, per-step metrics) `rlhf.round.rules`.
 """
 
 from __future__ import annotations
@@ -21,10 +21,9 @@ import torch
 from rlhf.config.schema import ConfigError, PPOConfig
 from rlhf.config.sizes import resolve_epochs
 from rlhf.round import checkpoint as ckpt
-from rlhf.round import stages
+from rlhf.round import rules, stages
 from rlhf.round.state import RoundState, Verdict, decide
 import rlhf.train.setup as S
-import rlhf.train.stateless as P
 from rlhf.trainer import dist as D
 
 log = logging.getLogger("rlhf.train")
@@ -94,7 +93,7 @@ class Run:
                      self.state.global_step, self.state.kl_coef)
         # The engine is built on first use (`engine`): offline training without validation never builds one.
         self._policy_dir, self._engine = (str(resume / "actor") if resume else base_dir), None
-        self.offline = P.offline_table(cfg, self.tokenizer)  # the stored rollouts, or None (online)
+        self.offline = rules.offline_table(cfg, self.tokenizer)  # the stored rollouts, or None (online)
         self.reward_model = stages.load_reward_model(cfg, self.device)
         self.last_step: dict[str, float] = {}  # the last PPO step's full metrics (for the round line)
         from rlhf.tracking.profiling import StepProfiler
@@ -132,21 +131,21 @@ class Run:
         steps' metrics (logged) with the state moved on (round, global step, KL coefficient)."""
         cfg, timer = self.cfg, {}
         rollouts, scored = self._generate(timer)
-        P.store_rollouts(cfg, scored, self.state.round + 1, self.rank)
+        rules.store_rollouts(cfg, scored, self.state.round + 1, self.rank)
         t = time.perf_counter()
         local = self._update_share(scored)
-        torch.manual_seed(P.update_seed(cfg, self.state.round, self.rank))
+        torch.manual_seed(rules.update_seed(cfg, self.state.round, self.rank))
         with self.profiler.update(self.state.global_step + 1, cfg.trainer.steps_per_round, self.sink):
             steps = stages.update(self.trainer, local, self.tokenizer.pad_token_id, cfg)
         # Its first optimizer step waited for the copy of the last save's state, if still under way.
         timer["timing_s/checkpoint_wait"] = self.writer.take_stalled()
         timer["timing_s/update"] = _lap(t) - timer["timing_s/checkpoint_wait"]
         gen_metrics = D.mean_across_ranks(stages.rollout_metrics(rollouts, cfg))
-        n_tokens = float(D.all_reduce_sum(torch.tensor(P.count_tokens(rollouts))))
-        steps = P.step_metrics(steps, gen_metrics, timer, n_tokens, self.world, self.trainer, self.device)
+        n_tokens = float(D.all_reduce_sum(torch.tensor(rules.count_tokens(rollouts))))
+        steps = rules.step_metrics(steps, gen_metrics, timer, n_tokens, self.world, self.trainer, self.device)
         for i, m in enumerate(steps):
             self.sink.log_metrics(m, step=self.state.global_step + i + 1)
-        self.state = P.record_update(self.state, steps, self.trainer.kl_ctrl.value)
+        self.state = rules.record_update(self.state, steps, self.trainer.kl_ctrl.value)
         self.last_rollouts, self.last_scored, self.last_steps = rollouts, scored, steps
         self.last_step = steps[-1] if steps else {}
         self.timing = timer
@@ -160,11 +159,11 @@ class Run:
         t = time.perf_counter()
         prompts, self.state = stages.sample_prompts(self.data.train, self.state, cfg)
         prompts = stages.shard(prompts, cfg.trainer.steps_per_round, self.rank, self.world)
-        seed = P.rollout_seed(cfg, self.state.round, self.rank)
+        seed = rules.rollout_seed(cfg, self.state.round, self.rank)
         timer["timing_s/gen"] = _lap(t)
         t = time.perf_counter()
         if self.offline is not None:  # offline RLHF: the stored table stands in for generation
-            rollouts, scored = P.offline_round(self.offline, cfg, self.state.round, self.rank, self.world,
+            rollouts, scored = rules.offline_round(self.offline, cfg, self.state.round, self.rank, self.world,
                                                self.reward_model)
             timer["timing_s/reward"] = _lap(t)
             return rollouts, scored
@@ -188,7 +187,7 @@ class Run:
         """The round's validation (every `test_freq` rounds and after the last) and the
         early-stop decision."""
         t = time.perf_counter()
-        if P.should_evaluate(self.cfg, self.state.round):
+        if rules.should_evaluate(self.cfg, self.state.round):
             self.evaluate()
         self.timing["timing_s/testing"] = _lap(t)
         self.state, verdict = decide(self.state, steps, self.cfg)
@@ -308,7 +307,7 @@ def train(cfg: PPOConfig) -> dict:
     try:
         run = Run(cfg)
         cfg = run.cfg  # with trainer.total_epochs resolved against the train set
-        if P.should_validate_first(cfg, run.state):
+        if rules.should_validate_first(cfg, run.state):
             run.evaluate()
         t_loop, rounds_before = time.perf_counter(), run.state.round
 
@@ -376,7 +375,7 @@ def _progress(run: Run, t_loop: float, rounds_here: int) -> None:
 
 
 def _summary(run: Run, verdict: Verdict) -> dict:
-    out = P.summary(run.cfg, run.state)
+    out = rules.summary(run.cfg, run.state)
     if verdict.reason:
         out["stop_reason"] = verdict.reason
     val_history = out.pop("val_history")

@@ -8,9 +8,9 @@ A stateless driver (one Flyte task per stage) instead passes files and small val
 
 Each function here loads what it needs (a model directory, a checkpoint with the
 DeepSpeed optimizer state), runs one stage from `rlhf.round.stages`, and returns tables,
-directories and the `RoundState`. Both drivers follow the rules defined here (rollout
-and update seeds, the validation schedule, the state after an update, the per-step
-metrics, the summary) and share the set-up of `rlhf.train.setup` (device and process
+directories and the `RoundState`. Both drivers follow the rules of `rlhf.round.rules`
+(rollout and update seeds, the validation schedule, the state after an update, the
+per-step metrics, the summary; re-exported here) and share the set-up of `rlhf.train.setup` (device and process
 group, trainer, rollout engine, tracking sink, validation, the checkpoint save), so the
 same config and seed give the same rounds either way.
 """
@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -32,118 +31,25 @@ import torch
 from rlhf.round import checkpoint as ckpt
 from rlhf.round import stages
 from rlhf.config.schema import DataConfig, ModelConfig, PPOConfig, TrainerConfig
-from rlhf.round.state import RoundState, record_steps
+from rlhf.round.state import RoundState
+from rlhf.round.rules import (  # noqa: F401 (the stateless stages' API)
+    count_tokens,
+    metrics_table,
+    offline_round,
+    offline_table,
+    peak_flops,
+    perf_metrics,
+    record_update,
+    rollout_seed,
+    should_evaluate,
+    should_validate_first,
+    step_metrics,
+    stop_reason,
+    store_rollouts,
+    summary,
+    update_seed,
+)
 import rlhf.train.setup as S
-
-# ---------------------------------------------------------------------------------
-# Rules both drivers follow
-# ---------------------------------------------------------------------------------
-
-
-def rollout_seed(cfg: PPOConfig, round_: int, rank: int = 0) -> int:
-    """The sampling seed of round `round_` (rounds completed before it) on `rank`."""
-    return cfg.trainer.seed * 100003 + round_ * 1009 + rank
-
-
-def update_seed(cfg: PPOConfig, round_: int, rank: int = 0) -> int:
-    """The global torch seed of round `round_`'s update on `rank` (dropout draws from it): a
-    function of the round alone, so a resumed run draws what an uninterrupted one would."""
-    return rollout_seed(cfg, round_, rank) + 7919
-
-
-def should_evaluate(cfg: PPOConfig, rounds_done: int) -> bool:
-    """Validate after round `rounds_done` (1-based): every `test_freq` rounds and after the last;
-    never with `test_freq=-1`."""
-    if cfg.trainer.test_freq <= 0:
-        return False
-    return rounds_done % cfg.trainer.test_freq == 0 or rounds_done == cfg.trainer.total_rounds
-
-
-def should_validate_first(cfg: PPOConfig, state: RoundState) -> bool:
-    """Validate the starting policy before any update (`trainer.val_before_train`)."""
-    return cfg.trainer.val_before_train and cfg.trainer.test_freq > 0 and state.round == 0 and state.val_start < 0
-
-
-def record_update(state: RoundState, steps: list[dict[str, float]], kl_coef: float) -> RoundState:
-    """The state after a round's update: step history, global step, KL coefficient, round + 1."""
-    new = record_steps(state, steps)
-    return replace(new, kl_coef=float(kl_coef), round=state.round + 1)
-
-
-def offline_table(cfg: PPOConfig, tokenizer) -> Optional[pd.DataFrame]:
-    """The stored rollouts of `data.rollout_files` (offline RLHF, `rlhf.round.offline`), or None."""
-    if not cfg.data.rollout_files:
-        return None
-    from rlhf.round.offline import load_rollouts
-
-    return load_rollouts(cfg, tokenizer)
-
-
-def offline_round(table: pd.DataFrame, cfg: PPOConfig, round_: int, rank: int, world: int, reward_model=None
-                  ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(rollouts, scored) of round `round_` (rounds done before it) from the stored table."""
-    from rlhf.round.offline import offline_round as _round
-
-    return _round(table, cfg, round_, rank, world, reward_model)
-
-
-def store_rollouts(cfg: PPOConfig, scored: pd.DataFrame, round_: int, rank: int = 0) -> None:
-    """Write round `round_`'s (1-based) scored rollouts under `trainer.rollout_data_dir`, if set:
-    the input format of offline RLHF (`data.rollout_files`)."""
-    if cfg.trainer.rollout_data_dir:
-        from rlhf.data.rollouts import write_round_rollouts
-
-        write_round_rollouts(cfg.trainer.rollout_data_dir, scored, round_, rank)
-
-
-def count_tokens(rollouts: pd.DataFrame) -> float:
-    """Prompt plus response tokens of a rollout table."""
-    return float(sum(stages.token_lengths(rollouts)))
-
-
-def step_metrics(steps: list[dict[str, float]], gen: dict[str, float], timing: dict[str, float], tokens: float,
-                 world: int, trainer, device: torch.device) -> list[dict[str, float]]:
-    """Each PPO step's metrics completed with the round's rollout metrics, its share of the
-    round's stage timings (and their sum, `timing_s/step`), throughput and MFU."""
-    out = []
-    for m in steps:
-        m = {**m, **gen, **{k: v / len(steps) for k, v in timing.items()},
-             "timing_s/step": sum(timing.values()) / len(steps)}
-        m.update(perf_metrics(m, tokens / len(steps), world, trainer, device))
-        out.append(m)
-    return out
-
-
-def perf_metrics(m: dict[str, float], tokens: float, world: int, trainer, device: torch.device
-                 ) -> dict[str, float]:
-    """Throughput (tokens per second per GPU over the update) and actor MFU from 6 * params * tokens."""
-    upd = m.get("timing_s/update", 0.0)
-    out = {"perf/total_num_tokens": tokens}
-    if upd > 0:
-        out["perf/throughput"] = tokens / upd / world
-        n_params = sum(p.numel() for p in trainer.actor.module.parameters())
-        actor_t = m.get("timing_s/update_actor", upd)
-        peak = peak_flops(device)
-        if peak and actor_t > 0:
-            out["perf/mfu/actor"] = 6.0 * n_params * tokens * trainer.cfg.actor.ppo_epochs / actor_t / world / peak
-    if device.type == "cuda":
-        out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
-    else:
-        import resource
-
-        out["perf/cpu_memory_used_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    return out
-
-
-def peak_flops(device: torch.device) -> float:
-    """Dense bf16 peak of the device in FLOP/s ($RLHF_PEAK_TFLOPS overrides; 790 measured on H200)."""
-    if os.environ.get("RLHF_PEAK_TFLOPS"):
-        return float(os.environ["RLHF_PEAK_TFLOPS"]) * 1e12
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        return 790e12 if "H200" in name or "H100" in name else 312e12
-    return 0.0
-
 
 # ---------------------------------------------------------------------------------
 # Preparation (cacheable: the outputs depend only on these inputs)
@@ -303,41 +209,3 @@ def evaluate_policy(cfg: PPOConfig, model_dir: str, val: pd.DataFrame, state: Ro
     if sink is not None:
         S.log_evaluation(sink, new.global_step, metrics, samples, cfg.trainer.output_dir)
     return new, metrics
-
-
-# ---------------------------------------------------------------------------------
-# Results
-# ---------------------------------------------------------------------------------
-
-
-def stop_reason(cfg: PPOConfig, state: RoundState) -> str:
-    """Why the rounds ended: the early-stop reason, or the round budget."""
-    if state.stop_reason:
-        return state.stop_reason
-    return "total_rounds reached" if state.round >= cfg.trainer.total_rounds else ""
-
-
-def summary(cfg: PPOConfig, state: RoundState) -> dict:
-    """The run summary both drivers report (`rlhf.train` adds wall time and paths)."""
-    return {
-        "val_score_start": state.val_start,
-        "val_score_end": state.last_val,
-        "val_score_best": state.best_val,
-        "rounds": state.round,
-        "global_steps": state.global_step,
-        "stop_reason": stop_reason(cfg, state),
-        "kl_coef": state.kl_coef,
-        "skipped_steps": state.skipped_steps,
-        "val_history": state.val_history,
-    }
-
-
-def metrics_table(state: RoundState) -> pd.DataFrame:
-    """One row per PPO step (`step` and the history metrics), plus one row per validation
-    without a step of its own (e.g. before training); `val/score` where validated."""
-    steps = pd.DataFrame(state.step_history or {"step": []})
-    vals = pd.DataFrame({"step": [v["step"] for v in state.val_history],
-                         "val/score": [v["score"] for v in state.val_history]})
-    table = steps.merge(vals, on="step", how="outer").sort_values("step", kind="stable").reset_index(drop=True)
-    table["step"] = table["step"].astype("int64")
-    return table

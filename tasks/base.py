@@ -21,7 +21,7 @@ from flytekit.types.directory import FlyteDirectory
 from pandera.typing import DataFrame
 
 from rlhf.config.doc import describe_fields
-from schemas import PromptSchema, RolloutSchema, ScoredRolloutSchema
+from schemas.prompts import PromptSchema, RolloutSchema, ScoredRolloutSchema
 
 # Before any task's interface is built: each config key's meaning (its comment, as in
 # docs/CONFIG.md) goes into the input schema that `pyflyte run ... --help` prints.

@@ -19,7 +19,8 @@ import pandas as pd
 from rlhf.data.io import (_display_name, _read_table, flatten_verl, list_parquet_files, resolve_path,
                           write_parquet_atomic)
 from rlhf.data.validation import DataValidationError, validate_frame
-from schemas import RolloutSchema, StoredRolloutSchema
+from schemas.prompts import RolloutSchema
+from schemas.rollouts import StoredRolloutSchema
 
 ROLLOUT_COLUMNS = ("response", "prompt_ids", "response_ids", "rollout_logprobs", "group_id", "finish_reason", "score")
 LIST_COLUMNS = ("prompt_ids", "response_ids", "rollout_logprobs")

@@ -10,7 +10,7 @@ from typing import Any
 import pandas as pd
 import pandera.errors
 
-from schemas import DATAFRAME_CHECK_COLUMNS, PromptSchema
+from schemas.prompts import DATAFRAME_CHECK_COLUMNS, PromptSchema
 
 _MAX_ROWS_SHOWN = 5
 

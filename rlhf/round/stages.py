@@ -236,7 +236,7 @@ def rollout(engine: RolloutEngine, tokenizer, prompts: pd.DataFrame, cfg: PPOCon
     """Sample `rollout.n` responses per prompt; returns a RolloutSchema table (prompt groups contiguous).
     Out of device memory raises `RecoverableOOMError` naming the rollout settings to lower."""
     from rlhf.trainer.faults import oom_as_recoverable, rollout_memory_settings
-    from schemas import dump_json_column
+    from schemas.prompts import dump_json_column
 
     ids = tokenize(prompts, tokenizer, cfg)
     with oom_as_recoverable("rollout", rollout_memory_settings(cfg)):
@@ -291,7 +291,7 @@ def load_reward_model(cfg: PPOConfig, device: torch.device):
 
 def to_buffer(scored: pd.DataFrame, pad_id: int, cfg: PPOConfig) -> PPOBatch:
     """The scored table as the trainer's tensor layout (prompt width from the config)."""
-    from schemas import load_json_column
+    from schemas.prompts import load_json_column
 
     return collate(
         prompt_ids=load_json_column(scored["prompt_ids"]),

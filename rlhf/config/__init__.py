@@ -14,9 +14,10 @@ that turns batch settings into per-GPU sizes and checks that they divide.
 - `verl_keys`: verl's own key names mapped onto this tree.
 - `load`: `load_config`, `from_dict`, `replace`, `save_config`, `parse_override`.
 - `checks`: `validate`, `correction_settings` and the rollout-correction presets.
-- `ranges`: the valid range of every numeric key.
+- `ranges`: the valid range of every numeric key (checked by `load` beside `checks`).
 - `sizes`: `derive_sizes`, `Sizes`, `rounds_for_epochs`, `resolve_epochs`.
 - `redact`: credentials kept out of what a run stores and prints.
+- `comments`: the comment beside each dataclass field, and the dotted-key table.
 - `doc`: docs/CONFIG.md, rendered from the dataclasses.
 - `registry`: a small name -> object registry.
 

@@ -1,8 +1,8 @@
 """Checks of a built config beyond the types of its values.
 
-`validate` (run by every load) refuses values no run can use: unknown choices and
-loggers, non-positive sizes, conflicting rollout-correction keys, out-of-range numbers
-(`rlhf.config.ranges`) and URIs that carry a password. `correction_settings` is the
+`validate` (run by every load, beside the range check of `rlhf.config.ranges`) refuses
+values no run can use: unknown choices and loggers, non-positive sizes, conflicting
+rollout-correction keys and URIs that carry a password. `correction_settings` is the
 rollout correction in effect, a named preset (`ROLLOUT_CORRECTION_PRESETS`) applied.
 `GROUP_ESTIMATORS` are the advantage estimators that need a group of responses per prompt.
 """
@@ -64,9 +64,6 @@ def validate(cfg: PPOConfig) -> None:
     if cfg.data.val_batch_size < 0 or cfg.rollout.val_temperature < 0:
         raise ConfigError("data.val_batch_size and rollout.val_temperature must be >= 0")
     correction_settings(cfg)  # raises on a bad preset or conflicting keys
-    from rlhf.config.ranges import check_ranges
-
-    check_ranges(flat)
 
 
 

@@ -9,48 +9,18 @@ Each row is a dotted key, its type, its default and the comment beside the field
 from __future__ import annotations
 
 import argparse
-import inspect
-import re
 import sys
-from dataclasses import MISSING, fields, is_dataclass
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import get_type_hints
 
+from rlhf.config.comments import field_comments, key_rows
 from rlhf.config.schema import PPOConfig
-
-_FIELD = re.compile(r"^\s+(\w+):\s*[^=#]+(?:=[^#]*)?(?:#\s*(.*))?$")
-
-
-def _comments(cls: type) -> dict[str, str]:
-    out = {}
-    for line in inspect.getsource(cls).splitlines():
-        m = _FIELD.match(line)
-        if m:
-            out[m.group(1)] = (m.group(2) or "").strip()
-    return out
-
-
-def _default(f) -> str:
-    if f.default is not MISSING:
-        return repr(f.default)
-    if f.default_factory is not MISSING:  # type: ignore[misc]
-        v = f.default_factory()  # type: ignore[misc]
-        return "" if is_dataclass(v) else repr(v)
-    return ""
 
 
 def rows(cls: type = PPOConfig, prefix: str = "") -> list[tuple[str, str, str, str]]:
-    hints, notes = get_type_hints(cls), _comments(cls)
-    out = []
-    for f in fields(cls):
-        t = hints[f.name]
-        if is_dataclass(t):
-            out += rows(t, f"{prefix}{f.name}.")
-        else:
-            name = getattr(t, "__name__", str(t)).replace("typing.", "")
-            out.append((f"{prefix}{f.name}", name if "[" not in str(t) else str(t).replace("typing.", ""),
-                        _default(f), notes.get(f.name, "")))
-    return out
+    """(dotted key, type, default, comment) of every key of `cls` (the reference's rows)."""
+    return key_rows(cls, prefix)
 
 
 def describe_fields(cls: type = PPOConfig) -> None:
@@ -59,7 +29,7 @@ def describe_fields(cls: type = PPOConfig) -> None:
     config input's schema (built by mashumaro), which then says what each key means."""
     import types
 
-    hints, notes = get_type_hints(cls), _comments(cls)
+    hints, notes = get_type_hints(cls), field_comments(cls)
     for f in fields(cls):
         if is_dataclass(hints[f.name]):
             describe_fields(hints[f.name])

@@ -19,8 +19,9 @@ from typing import Any, get_args, get_origin
 
 import yaml
 
-from rlhf.config.schema import ConfigError, PPOConfig, _all_keys, _hints, _key_names, _unknown, to_dict
 from rlhf.config.checks import validate
+from rlhf.config.ranges import check_ranges, warn_repeated
+from rlhf.config.schema import ConfigError, PPOConfig, _all_keys, _hints, _key_names, _unknown, flatten, to_dict
 
 # libyaml's loader and dumper when PyYAML has them (6x faster), with the same safe types.
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -174,14 +175,13 @@ def from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> PPOCon
             _set_dotted(tree, key, value)
     cfg = _build(PPOConfig, tree)
     validate(cfg)
+    check_ranges(flatten(cfg))
     return cfg
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> PPOConfig:
     """Load YAML or JSON (`path` may be None for the defaults) and apply overrides (a key
     given twice among them is warned about: the last one wins)."""
-    from rlhf.config.ranges import warn_repeated
-
     warn_repeated(overrides)
     data: dict = {}
     if path:

@@ -15,7 +15,8 @@ import math
 import re
 from typing import Any, Iterable
 
-from rlhf.config.schema import ConfigError
+from rlhf.config.comments import key_rows
+from rlhf.config.schema import ConfigError, PPOConfig
 
 _ANY = "(-inf, inf)"
 _POS = "[1, inf)"  # counts and sizes
@@ -104,9 +105,7 @@ def check_ranges(flat: dict[str, Any]) -> None:
 
 def _note(key: str) -> str:
     """The comment beside the key's field (as docs/CONFIG.md shows it)."""
-    from rlhf.config.doc import rows
-
-    return next((note for k, _, _, note in rows() if k == key), "")
+    return next((note for k, _, _, note in key_rows(PPOConfig) if k == key), "")
 
 
 def _shown(x: float) -> str:
@@ -117,9 +116,7 @@ def _shown(x: float) -> str:
 
 def numeric_keys() -> list[str]:
     """Every key of `PPOConfig` whose type holds an int or a float (optional and list types included)."""
-    from rlhf.config.doc import rows
-
-    return [key for key, tp, _, _ in rows() if re.search(r"\b(int|float)\b", tp)]
+    return [key for key, tp, _, _ in key_rows(PPOConfig) if re.search(r"\b(int|float)\b", tp)]
 
 
 def repeated_keys(overrides: Iterable[str]) -> list[tuple[str, list[str]]]:

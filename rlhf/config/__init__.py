@@ -8,8 +8,8 @@ that turns batch settings into per-GPU sizes and checks that they divide.
 
 - `schema`: `ConfigError`, the section dataclasses and `PPOConfig`, the accepted choices,
   the dotted key names, `to_dict` and `flatten`.
-- `decoding`: the hooks flytekit decodes a config input with (`PPOConfig` inherits them;
-  this package installs the checks they run).
+- `decoding`: the hooks flytekit decodes a config input with (this package installs them
+  on `PPOConfig`).
 - `keys`: the unknown-key check of configs decoded outside `load_config`.
 - `verl_keys`: verl's own key names mapped onto this tree.
 - `load`: `load_config`, `from_dict`, `replace`, `save_config`, `parse_override`.
@@ -28,7 +28,6 @@ the submodules import each other directly, never this package.
 """
 
 from rlhf.config import decoding as _decoding
-from rlhf.config import keys as _keys
 from rlhf.config.checks import GROUP_ESTIMATORS, ROLLOUT_CORRECTION_PRESETS, correction_settings, validate
 from rlhf.config.load import from_dict, load_config, parse_override, replace, save_config
 from rlhf.config.schema import (
@@ -57,7 +56,7 @@ from rlhf.config.schema import (
 )
 from rlhf.config.sizes import Sizes, derive_sizes, resolve_epochs, rounds_for_epochs
 
-_decoding.install(from_json=_keys.from_json_checked, pre_deserialize=_keys.pre_deserialize_checked)
+_decoding.install(PPOConfig)
 
 __all__ = [
     "ActorConfig", "AlgorithmConfig", "ConfigError", "CriticConfig", "DataConfig", "DeepSpeedConfig",

@@ -5,8 +5,8 @@ Field names follow verl's dotted keys (`actor.clip_ratio`, `algorithm.kl_ctrl.kl
 beside a field is its documentation (`rlhf.config.doc` renders docs/CONFIG.md from it).
 `_CHOICES` and `_LOGGERS` list the values the string keys accept; `all_keys`,
 `_key_names` and `_hint` list the dotted keys and name the closest one to a misspelling.
-`to_dict` and `flatten` give the tree as plain data. `PPOConfig` takes the hooks
-flytekit decodes a config input with from `ConfigDecoding` (`rlhf.config.decoding`).
+`to_dict` and `flatten` give the tree as plain data. `rlhf.config.decoding` gives
+`PPOConfig` the hooks flytekit decodes a config input with (installed by `rlhf.config`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ import difflib
 import functools
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Optional, get_type_hints
-
-from rlhf.config.decoding import ConfigDecoding
 
 
 class ConfigError(ValueError):
@@ -258,7 +256,7 @@ class EarlyStopConfig:
 
 
 @dataclass(frozen=True)
-class PPOConfig(ConfigDecoding):
+class PPOConfig:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)

@@ -75,7 +75,7 @@ def run_ours(a, variant: str) -> dict:
     from rlhf.config import derive_sizes, load_config
     from rlhf.trainer import dist as D
     from rlhf.trainer.engines import prepare_module
-    from rlhf.trainer.forward import use_varlen_attention
+    from rlhf.models.attention import use_varlen_attention
     from rlhf.trainer.ppo import PPOTrainer
 
     device = G.pick_device(a.tiny)
@@ -238,6 +238,7 @@ def run_check(a) -> dict:
 
     from rlhf import algos
     from rlhf.trainer import forward as F
+    from rlhf.models import attention as A
 
     device = G.pick_device(a.tiny)
     dtype = torch.float32 if a.tiny else torch.bfloat16
@@ -277,7 +278,7 @@ def run_check(a) -> dict:
         out[kind] = {"max_abs_logprob_diff": float((lp - ref_lp)[mask].abs().max()),
                      "mean_abs_logprob_diff": float((lp - ref_lp)[mask].abs().mean()),
                      "grad_rel_err": [float((x - y).norm() / y.norm()) for x, y in zip(g, ref_g)]}
-    out["flash_varlen_used"] = F._FLASH_OK.get("varlen", True) and device.type == "cuda"
+    out["flash_varlen_used"] = A._FLASH_OK.get("varlen", True) and device.type == "cuda"
     out["variant"] = "check"
     print(json.dumps(out, indent=1), flush=True)
     return out
@@ -286,7 +287,7 @@ def run_check(a) -> dict:
 def run_attn_check(a) -> dict:
     """The variable-length flash kernel against per-sequence SDPA in float32, and SDPA in bf16 for
     scale: relative error of outputs and of q/k/v gradients, Qwen2.5-1.5B head layout."""
-    from rlhf.trainer import forward as F
+    from rlhf.models import attention as A
 
     device = G.pick_device(a.tiny)
     torch.manual_seed(0)
@@ -303,10 +304,10 @@ def run_attn_check(a) -> dict:
         out.backward(go.to(dtype))
         return [out.float()] + [x.grad.float() for x in xs]
 
-    ref = run(lambda *x: F.varlen_reference(*x, cu.tolist(), scale), torch.float32)
+    ref = run(lambda *x: A.varlen_reference(*x, cu.tolist(), scale), torch.float32)
     res = {}
-    for name, fn in (("flash_bf16", lambda *x: F.varlen_flash(*x, cu, max(lens), scale)),
-                     ("sdpa_bf16", lambda *x: F.varlen_reference(*x, cu.tolist(), scale))):
+    for name, fn in (("flash_bf16", lambda *x: A.varlen_flash(*x, cu, max(lens), scale)),
+                     ("sdpa_bf16", lambda *x: A.varlen_reference(*x, cu.tolist(), scale))):
         try:
             got = run(fn, torch.bfloat16)
             res[name] = {n: float((g - r).norm() / r.norm()) for n, g, r in zip(("out", "dq", "dk", "dv"), got, ref)}

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from rlhf import algos
+from rlhf.models.attention import VARLEN_ATTENTION, use_varlen_attention
 from rlhf.trainer import forward as F
 from rlhf.trainer.batch import collate
 
@@ -76,7 +77,7 @@ def test_log_probs_and_grads_match_the_models_own_forward(packed):
     (lp_ref.sum() + 0.3 * ent_ref.sum()).backward()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.allclose(p.grad, q.grad, atol=1e-5), name
-    assert model.config._attn_implementation == (F.VARLEN_ATTENTION if packed else "sdpa")
+    assert model.config._attn_implementation == (VARLEN_ATTENTION if packed else "sdpa")
 
 
 def test_packed_values_match_padded_values():
@@ -97,7 +98,7 @@ def test_packed_rows_without_cu_seqlens_still_attend_within_their_sequence():
     """A packed forward that passes only restarting position ids gets the same logits."""
     model, b = _qwen(), _batch(61)
     lay = F.layout(b, packed=True)
-    F.use_varlen_attention(model)
+    use_varlen_attention(model)
     with_cu = model(**lay.kwargs, use_cache=False).logits
     without = model(input_ids=lay.kwargs["input_ids"], position_ids=lay.kwargs["position_ids"],
                     use_cache=False).logits

@@ -51,7 +51,7 @@ def prepare_module(module: torch.nn.Module, cfg: PPOConfig) -> torch.nn.Module:
     when `model.enable_gradient_checkpointing` (recompute each layer in backward, about a
     third more compute for a fraction of the activation memory), and variable-length
     attention for packed micro-batches when `data.use_sequence_packing`."""
-    from rlhf.trainer.forward import use_varlen_attention
+    from rlhf.models.attention import use_varlen_attention
 
     hf = getattr(module, "backbone", module)  # the critic's transformer
     if cfg.model.enable_gradient_checkpointing and hasattr(hf, "gradient_checkpointing_enable"):

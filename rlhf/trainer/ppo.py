@@ -29,8 +29,11 @@ from typing import Iterator
 
 import torch
 
-from rlhf import algos
+from rlhf.algos.advantages import compute_advantages, compute_token_level_rewards
 from rlhf.algos.correction import compute_rollout_correction
+from rlhf.algos.kl import kl_penalty, make_kl_controller
+from rlhf.algos.losses import agg_loss, policy_loss, value_loss
+from rlhf.algos.masked import explained_variance
 from rlhf.config.checks import correction_settings
 from rlhf.config.schema import PPOConfig
 from rlhf.config.sizes import Sizes
@@ -79,7 +82,7 @@ class PPOTrainer:
             self.critic_guard = NonFiniteGuard(self.critic)
         self.ref = ref.to(device).eval() if ref is not None else None
         k = cfg.algorithm.kl_ctrl
-        self.kl_ctrl = algos.make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
+        self.kl_ctrl = make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
         self.correction = correction_settings(cfg)
         self.global_step = 0  # PPO steps done (restored from the round state); critic_warmup counts these
         self.skipped_steps = 0  # PPO steps with at least one dropped (non-finite) update
@@ -133,9 +136,9 @@ class PPOTrainer:
         with self.timer("adv"):
             kl = None
             if batch.ref_log_probs is not None:
-                kl = algos.kl_penalty(batch.old_log_probs, batch.ref_log_probs, alg.kl_penalty) * mask
+                kl = kl_penalty(batch.old_log_probs, batch.ref_log_probs, alg.kl_penalty) * mask
             in_reward = alg.use_kl_in_reward and kl is not None
-            rewards, _ = algos.compute_token_level_rewards(batch.scores, mask, kl=kl if in_reward else None,
+            rewards, _ = compute_token_level_rewards(batch.scores, mask, kl=kl if in_reward else None,
                                                            kl_coef=self.kl_ctrl.value if in_reward else 0.0)
             if kl is not None:
                 tok = D.all_reduce_sum(torch.stack([kl.sum(), mask.sum()]))
@@ -147,7 +150,7 @@ class PPOTrainer:
                 metrics["actor/current_kl"] = current_kl
                 if in_reward and math.isfinite(current_kl):
                     self.kl_ctrl.update(current_kl=current_kl, n_steps=self.sizes.responses_per_step)
-            adv, ret = algos.compute_advantages(alg.adv_estimator, rewards, mask, values=batch.values,
+            adv, ret = compute_advantages(alg.adv_estimator, rewards, mask, values=batch.values,
                                                 group_ids=batch.group_ids, gamma=alg.gamma, lam=alg.lam,
                                                 norm_by_std=alg.norm_adv_by_std_in_grpo,
                                                 whiten=D.masked_whiten_global)
@@ -190,15 +193,15 @@ class PPOTrainer:
         low = a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio
         high = a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio
         mask = mb.loss_mask if mb.loss_mask is not None else mb.response_mask  # rejected tokens leave the loss
-        pg_loss, m = algos.policy_loss(lp, mb.old_log_probs, mb.advantages, mask, low, high,
+        pg_loss, m = policy_loss(lp, mb.old_log_probs, mb.advantages, mask, low, high,
                                        a.clip_ratio_c, a.loss_agg_mode, rollout_is_weights=mb.rollout_is_weights)
-        entropy = algos.agg_loss(ent, mask, a.loss_agg_mode)
+        entropy = agg_loss(ent, mask, a.loss_agg_mode)
         loss = pg_loss - a.entropy_coeff * entropy
         metrics = {"actor/pg_loss": float(pg_loss.detach()), "actor/entropy": float(entropy.detach()),
                    **{f"actor/{k}": float(v) for k, v in m.items()}}
         if a.use_kl_loss and mb.ref_log_probs is not None:
-            kl = algos.kl_penalty(lp, mb.ref_log_probs, a.kl_loss_type)
-            kl_loss = algos.agg_loss(kl, mask, a.loss_agg_mode)
+            kl = kl_penalty(lp, mb.ref_log_probs, a.kl_loss_type)
+            kl_loss = agg_loss(kl, mask, a.loss_agg_mode)
             loss = loss + a.kl_loss_coef * kl_loss
             metrics["actor/kl_loss"] = float(kl_loss.detach())
             metrics["actor/kl_coef"] = a.kl_loss_coef
@@ -207,7 +210,7 @@ class PPOTrainer:
     def _critic_loss(self, mb: PPOBatch) -> tuple[torch.Tensor, dict[str, float]]:
         c = self.cfg.critic
         v = F.values(self.critic, mb, self._packed)
-        loss, m = algos.value_loss(v, mb.values, mb.returns, mb.response_mask, c.cliprange_value, c.loss_agg_mode)
+        loss, m = value_loss(v, mb.values, mb.returns, mb.response_mask, c.cliprange_value, c.loss_agg_mode)
         return loss, {"critic/vf_loss": float(loss.detach()), **{f"critic/{k}": float(x) for k, x in m.items()}}
 
     def _optimize(self, engine, guard: NonFiniteGuard, batch: PPOBatch, epochs: int, micro: int, loss_fn,
@@ -265,7 +268,7 @@ class PPOTrainer:
         with self.timer("update_critic"):
             m = self._optimize(self.critic, self.critic_guard, batch, self.cfg.critic.ppo_epochs,
                                self.cfg.critic.ppo_micro_batch_size_per_gpu, self._critic_loss, "critic")
-        m["critic/vf_explained_var"] = float(algos.explained_variance(batch.values, batch.returns,
+        m["critic/vf_explained_var"] = float(explained_variance(batch.values, batch.returns,
                                                                       batch.response_mask))
         return m
 

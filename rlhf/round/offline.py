@@ -17,12 +17,19 @@ No rollout engine is built for training; greedy validation still needs one
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pandas as pd
 
 from rlhf.round import stages
 from rlhf.config.schema import PPOConfig
 from rlhf.config.sizes import derive_sizes
 from rlhf.data.io import DataValidationError
+
+
+def offline_table(cfg: PPOConfig, tokenizer) -> Optional[pd.DataFrame]:
+    """The stored rollouts of `data.rollout_files` (`load_rollouts`), or None (online RLHF)."""
+    return load_rollouts(cfg, tokenizer) if cfg.data.rollout_files else None
 
 
 def load_rollouts(cfg: PPOConfig, tokenizer) -> pd.DataFrame:

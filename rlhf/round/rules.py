@@ -1,15 +1,14 @@
 """The rules both drivers follow, so that the same config and seed give the same rounds
 whether one process runs them (`rlhf.train.inprocess`) or one task per stage does
 (`rlhf.train.stateless`): the rollout and update seeds, the validation schedule, the state
-after an update, stored and offline rollouts, the per-step metrics (throughput, MFU) and
-the run summary.
+after an update, stored rollouts, the per-step metrics (throughput, MFU) and the run
+summary. A driver takes the rounds of offline RLHF from `rlhf.round.offline` itself.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import replace
-from typing import Optional
 
 import pandas as pd
 import torch
@@ -47,23 +46,6 @@ def record_update(state: RoundState, steps: list[dict[str, float]], kl_coef: flo
     """The state after a round's update: step history, global step, KL coefficient, round + 1."""
     new = record_steps(state, steps)
     return replace(new, kl_coef=float(kl_coef), round=state.round + 1)
-
-
-def offline_table(cfg: PPOConfig, tokenizer) -> Optional[pd.DataFrame]:
-    """The stored rollouts of `data.rollout_files` (offline RLHF, `rlhf.round.offline`), or None."""
-    if not cfg.data.rollout_files:
-        return None
-    from rlhf.round.offline import load_rollouts
-
-    return load_rollouts(cfg, tokenizer)
-
-
-def offline_round(table: pd.DataFrame, cfg: PPOConfig, round_: int, rank: int, world: int, reward_model=None
-                  ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(rollouts, scored) of round `round_` (rounds done before it) from the stored table."""
-    from rlhf.round.offline import offline_round as _round
-
-    return _round(table, cfg, round_, rank, world, reward_model)
 
 
 def store_rollouts(cfg: PPOConfig, scored: pd.DataFrame, round_: int, rank: int = 0) -> None:

@@ -21,7 +21,7 @@ import torch
 from rlhf.config.schema import ConfigError, PPOConfig
 from rlhf.config.sizes import resolve_epochs
 from rlhf.round import checkpoint as ckpt
-from rlhf.round import rules, stages
+from rlhf.round import offline, rules, stages
 from rlhf.round.state import RoundState, Verdict, decide
 import rlhf.train.setup as S
 from rlhf.trainer import dist as D
@@ -93,7 +93,7 @@ class Run:
                      self.state.global_step, self.state.kl_coef)
         # The engine is built on first use (`engine`): offline training without validation never builds one.
         self._policy_dir, self._engine = (str(resume / "actor") if resume else base_dir), None
-        self.offline = rules.offline_table(cfg, self.tokenizer)  # the stored rollouts, or None (online)
+        self.offline = offline.offline_table(cfg, self.tokenizer)  # the stored rollouts, or None (online)
         self.reward_model = stages.load_reward_model(cfg, self.device)
         self.last_step: dict[str, float] = {}  # the last PPO step's full metrics (for the round line)
         from rlhf.tracking.profiling import StepProfiler
@@ -163,8 +163,8 @@ class Run:
         timer["timing_s/gen"] = _lap(t)
         t = time.perf_counter()
         if self.offline is not None:  # offline RLHF: the stored table stands in for generation
-            rollouts, scored = rules.offline_round(self.offline, cfg, self.state.round, self.rank, self.world,
-                                               self.reward_model)
+            rollouts, scored = offline.offline_round(self.offline, cfg, self.state.round, self.rank, self.world,
+                                                     self.reward_model)
             timer["timing_s/reward"] = _lap(t)
             return rollouts, scored
         rollouts = stages.rollout(self.engine, self.tokenizer, prompts, cfg, seed=seed)

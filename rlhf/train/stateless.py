@@ -35,8 +35,6 @@ from rlhf.round.state import RoundState
 from rlhf.round.rules import (  # noqa: F401 (the stateless stages' API)
     count_tokens,
     metrics_table,
-    offline_round,
-    offline_table,
     peak_flops,
     perf_metrics,
     record_update,

@@ -180,11 +180,12 @@ def warm_start(seed: int, root: Path, overrides: list[str]) -> Path:
     import torch
 
     from rlhf.round import stages
+    from rlhf.round.policy import prepare_policy
 
     cfg = lane_config("default", seed, root, overrides)
     torch.set_num_threads(1)
     torch.manual_seed(seed)  # as rlhf.train does before it builds the policy
-    return Path(stages.prepare_policy(cfg, str(root), stages.prepare_data(cfg)))
+    return Path(prepare_policy(cfg, str(root), stages.prepare_data(cfg)))
 
 
 def run_pair(seed: int, pair: list[str], args) -> list[dict]:

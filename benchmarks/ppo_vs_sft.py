@@ -58,6 +58,7 @@ def continue_sft(cfg, base_dir: str, seed: int, stop, started, result) -> None:
 
 def one_seed(seed: int, overrides: list[str], out_root: Path) -> dict:
     from rlhf.round import stages
+    from rlhf.round.policy import prepare_policy
     from rlhf.config import load_config
     from rlhf.train import train
 
@@ -74,7 +75,7 @@ def one_seed(seed: int, overrides: list[str], out_root: Path) -> dict:
         torch.set_num_threads(cfg.trainer.num_threads)
     torch.manual_seed(cfg.trainer.seed)
     t0 = time.perf_counter()
-    base = stages.prepare_policy(cfg, str(out), stages.prepare_data(cfg))  # SFT warm-start, cached for train()
+    base = prepare_policy(cfg, str(out), stages.prepare_data(cfg))  # SFT warm-start, cached for train()
     sft_meta = json.loads((Path(base) / "sft_metrics.json").read_text())
     ctx = mp.get_context("spawn")
     stop, started, result = ctx.Event(), ctx.Event(), ctx.Queue()

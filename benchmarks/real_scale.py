@@ -296,7 +296,7 @@ def run_colocated(cfg, rounds: int, device: torch.device) -> dict:
     t = time.perf_counter()
     out = Path(cfg.trainer.output_dir)
     data = stages.prepare_data(cfg)
-    base_dir = stages.prepare_policy(cfg, out, data)
+    base_dir = prepare_policy(cfg, out, data)
     data = stages.fit_data(data, load_tokenizer(base_dir), cfg)
     uploads: list[tuple[str, float]] = []
     rec = Rounds(device)

@@ -9,6 +9,7 @@ import torch
 
 from rlhf.train import setup as P
 from rlhf.round import stages
+from rlhf.round.evaluate import evaluate
 from rlhf.config import derive_sizes, load_config
 from rlhf.rollout.base import RolloutBatch
 
@@ -39,7 +40,7 @@ def test_val_batch_size_splits_the_validation_generate_calls():
     tok = build_char_tokenizer()
     for size, expected in ((3, [3, 3, 1]), (0, [7])):
         engine = RecordingEngine()
-        m = stages.evaluate(engine, tok, _val(7), load_config(None, [f"data.val_batch_size={size}"]))
+        m = evaluate(engine, tok, _val(7), load_config(None, [f"data.val_batch_size={size}"]))
         assert [c[0] for c in engine.calls] == expected
         assert m["val/n"] == 7 and m["val/accuracy"] == pytest.approx(1 / 7)  # only "1+0=" is right
 
@@ -50,7 +51,7 @@ def test_val_temperature_reaches_the_validation_sampler():
     tok = build_char_tokenizer()
     for temp in (0.0, 0.7):
         engine = RecordingEngine()
-        stages.evaluate(engine, tok, _val(2), load_config(None, [f"rollout.val_temperature={temp}", "trainer.seed=3"]))
+        evaluate(engine, tok, _val(2), load_config(None, [f"rollout.val_temperature={temp}", "trainer.seed=3"]))
         (_, params), = engine.calls
         assert params.temperature == temp and params.n == 1
         assert params.seed == (3 if temp > 0 else None)

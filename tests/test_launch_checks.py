@@ -159,11 +159,12 @@ def test_a_small_train_set_resampled_many_times_a_round_is_warned_about(tmp_path
 def test_the_tiny_model_warm_starts_on_labeled_user_rows(tmp_path, one_thread):
     from rlhf.train import stateless as P
     from rlhf.round import stages
+    from rlhf.round.policy import prepare_policy
 
     cfg = load_config(None, TINY + _user_data(tmp_path, 40))
     data = stages.prepare_data(cfg)
     assert data.sft is None
-    policy = Path(stages.prepare_policy(cfg, tmp_path / "out", data))
+    policy = Path(prepare_policy(cfg, tmp_path / "out", data))
     assert (policy / "config.json").is_file()
     sft = json.loads((policy / "sft_metrics.json").read_text())
     assert sft, "the warm-start did not run"
@@ -174,11 +175,12 @@ def test_the_tiny_model_warm_starts_on_labeled_user_rows(tmp_path, one_thread):
 
 def test_user_data_without_labels_says_how_to_warm_start(tmp_path):
     from rlhf.round import stages
+    from rlhf.round.policy import prepare_policy
 
     cfg = load_config(None, TINY + _user_data(tmp_path, 8, labeled=False))
     with pytest.raises(ValueError, match="the train set has none .* add ground truths to data.train_files, or set "
                                          "model.path"):
-        stages.prepare_policy(cfg, tmp_path / "out", stages.prepare_data(cfg))
+        prepare_policy(cfg, tmp_path / "out", stages.prepare_data(cfg))
 
 
 # -- the dry run -----------------------------------------------------------------------------------

@@ -291,7 +291,8 @@ def test_hub_names_are_not_fetched_without_allow_network(tmp_path, monkeypatch):
     """A model name that is not a local directory is refused before any download is tried,
     for the policy (through the config) and the critic and tokenizer loaders."""
     from rlhf.models.load import ValueModel
-    from rlhf.round.stages import DataBundle, prepare_policy
+    from rlhf.round.policy import prepare_policy
+    from rlhf.round.stages import DataBundle
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # the refusal must not rely on offline mode
     cfg = load_config(None, ["model.path=Qwen/Qwen2.5-0.5B-Instruct"])

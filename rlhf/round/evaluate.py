@@ -1,6 +1,6 @@
 """Validation: one response per prompt, greedy (`rollout.val_temperature=0`, the default) or
 sampled at that temperature, `data.val_batch_size` prompts per generate call (0: all), scored
-by the reward rules.
+by the reward rules; `evaluate` runs it as a run's config sets it.
 
 Metrics (verl's names): `val-core/<data_source>/reward/mean@1` per source, and overall
 `val/reward/mean`, `val/accuracy` (share of responses given the full `reward.score`),
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from rlhf.config.schema import RewardConfig
+from rlhf.config.schema import PPOConfig, RewardConfig
 from rlhf.rollout.base import RolloutEngine, SamplingParams
 
 
@@ -76,3 +76,17 @@ def _samples(df: pd.DataFrame, texts: list[str], scores: list[float], n: int) ->
     return [{"data_source": str(src), "prompt": str(p), "response": t,
              "ground_truth": None if pd.isna(g) else str(g), "score": float(s)}
             for src, p, g, t, s in zip(head["data_source"], head["prompt"], head["ground_truth"], texts, scores)]
+
+
+def evaluate(engine: RolloutEngine, tokenizer, val: pd.DataFrame, cfg: PPOConfig, reward_model=None,
+             samples: list | None = None) -> dict[str, float]:
+    """Validation (greedy unless `rollout.val_temperature` > 0, `data.val_batch_size` prompts per
+    generate call): flat `val-core/<source>/reward/mean@1` metrics and `val/accuracy` (with a
+    `samples` list, a few prompts, responses and scores are appended to it)."""
+    from rlhf.trainer.faults import oom_as_recoverable, rollout_memory_settings
+
+    with oom_as_recoverable("validation rollout", rollout_memory_settings(cfg)):
+        return evaluate_greedy(engine, tokenizer, val, cfg.data.max_prompt_length, cfg.data.max_response_length,
+                               cfg.reward, reward_model=reward_model, prompt_format=cfg.data.prompt_format,
+                               truncation=cfg.data.truncation, batch_size=cfg.data.val_batch_size,
+                               temperature=cfg.rollout.val_temperature, seed=cfg.trainer.seed, samples=samples)

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -81,27 +79,6 @@ def check_data_sources(train: pd.DataFrame, val: pd.DataFrame, train_name: str, 
             f"{val_name}: no validation rows for data_source(s) {', '.join(map(repr, missing))}, which "
             f"{train_name} trains on; add rows of each source to data.val_files (its val-core/<source> "
             "metrics and early stopping depend on them), or drop that source from data.train_files")
-
-
-def prepare_policy(cfg: PPOConfig, out_dir: str | os.PathLike, data: DataBundle) -> str:
-    """The starting (and reference) policy directory: `model.path` (a GGUF file, or a directory
-    holding one, converted once to safetensors: `rlhf.models.gguf`), or the tiny default model
-    built and SFT-warm-started in code (cached in `<out_dir>/base_model`)."""
-    if cfg.model.path:
-        from rlhf.models.gguf import resolve_model_path
-
-        if cfg.model.critic_path:  # converted here too, so the update's workers find it in the cache
-            resolve_model_path(cfg.model.critic_path, allow_network=cfg.model.allow_network)
-        return resolve_model_path(cfg.model.path, allow_network=cfg.model.allow_network)
-    base = Path(out_dir) / "base_model"
-    if (base / "config.json").is_file():
-        return str(base)
-    from rlhf.data.checks import user_sft_split
-    from rlhf.trainer.default_policy import build_default_policy
-
-    # User data: the tiny model is warm-started on its labeled rows (target "#### <ground truth>").
-    sft = data.sft if data.sft is not None else user_sft_split(data.train, cfg.data.synthetic.n_sft)
-    return build_default_policy(cfg, str(base), sft)
 
 
 # -- sample -----------------------------------------------------------------------------------
@@ -312,21 +289,6 @@ def update(trainer, scored: pd.DataFrame, pad_id: int, cfg: PPOConfig) -> list[d
 
 
 # -- evaluate ---------------------------------------------------------------------------------
-
-
-def evaluate(engine: RolloutEngine, tokenizer, val: pd.DataFrame, cfg: PPOConfig, reward_model=None,
-             samples: list | None = None) -> dict[str, float]:
-    """Validation (greedy unless `rollout.val_temperature` > 0, `data.val_batch_size` prompts per
-    generate call): flat `val-core/<source>/reward/mean@1` metrics and `val/accuracy` (with a
-    `samples` list, a few prompts, responses and scores are appended to it)."""
-    from rlhf.round.evaluate import evaluate_greedy
-    from rlhf.trainer.faults import oom_as_recoverable, rollout_memory_settings
-
-    with oom_as_recoverable("validation rollout", rollout_memory_settings(cfg)):
-        return evaluate_greedy(engine, tokenizer, val, cfg.data.max_prompt_length, cfg.data.max_response_length,
-                               cfg.reward, reward_model=reward_model, prompt_format=cfg.data.prompt_format,
-                               truncation=cfg.data.truncation, batch_size=cfg.data.val_batch_size,
-                               temperature=cfg.rollout.val_temperature, seed=cfg.trainer.seed, samples=samples)
 
 
 def val_score(metrics: dict[str, float]) -> float:

@@ -22,6 +22,7 @@ from rlhf.config.schema import ConfigError, PPOConfig
 from rlhf.config.sizes import resolve_epochs
 from rlhf.round import checkpoint as ckpt
 from rlhf.round import offline, rules, stages
+from rlhf.round.policy import prepare_policy
 from rlhf.round.state import RoundState, Verdict, decide
 import rlhf.train.setup as S
 from rlhf.trainer import dist as D
@@ -40,7 +41,7 @@ class Run:
         self._setup_process(cfg, Path(cfg.trainer.output_dir))
         data = stages.prepare_data(cfg)
         if self.rank == 0:
-            base_dir = stages.prepare_policy(cfg, self.out, data)
+            base_dir = prepare_policy(cfg, self.out, data)
         D.barrier()
         base_dir = D.broadcast_object(base_dir if self.rank == 0 else None)
         resume = self._find_resume()

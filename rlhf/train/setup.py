@@ -48,6 +48,7 @@ import torch
 from rlhf.config.schema import PPOConfig
 from rlhf.config.sizes import Sizes, derive_sizes
 from rlhf.round import checkpoint as ckpt
+from rlhf.round import evaluate as validation
 from rlhf.round import stages
 from rlhf.round.state import RoundState, record_val
 from rlhf.trainer import dist as D
@@ -244,10 +245,10 @@ def _buffered(sink):
 
 def evaluate(engine, tokenizer, val: pd.DataFrame, cfg: PPOConfig, reward_model, state: RoundState
              ) -> tuple[RoundState, dict[str, float], list[dict]]:
-    """Validation of the engine's policy on `val` (`stages.evaluate`): the state with the
+    """Validation of the engine's policy on `val` (`rlhf.round.evaluate`): the state with the
     score recorded (`record_val`), the metrics and a few sample generations."""
     samples: list[dict] = []
-    metrics = stages.evaluate(engine, tokenizer, val, cfg, reward_model, samples=samples)
+    metrics = validation.evaluate(engine, tokenizer, val, cfg, reward_model, samples=samples)
     return record_val(state, stages.val_score(metrics), cfg.early_stop.min_delta), metrics, samples
 
 

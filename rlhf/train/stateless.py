@@ -30,6 +30,7 @@ import torch
 
 from rlhf.round import checkpoint as ckpt
 from rlhf.round import stages
+from rlhf.round.policy import prepare_policy
 from rlhf.config.schema import DataConfig, ModelConfig, PPOConfig, TrainerConfig
 from rlhf.round.state import RoundState
 from rlhf.round.rules import (  # noqa: F401 (the stateless stages' API)
@@ -92,7 +93,7 @@ def prepare_base_model(model: ModelConfig, seed: int, sft: pd.DataFrame, out_dir
     model built and SFT-warm-started on `sft` into `out_dir`."""
     cfg = PPOConfig(model=model, trainer=TrainerConfig(seed=seed))
     data = stages.DataBundle(train=sft.iloc[:0], val=sft.iloc[:0], sft=sft if len(sft) else None)
-    return stages.prepare_policy(cfg, out_dir, data)
+    return prepare_policy(cfg, out_dir, data)
 
 
 # ---------------------------------------------------------------------------------

@@ -5,7 +5,8 @@
 
 Metric names are the ones the decks and MLflow show (`actor/current_kl` is the KL to the
 reference that the early stop and the deck's KL curve use). The ETA assumes the remaining
-rounds take as long as the mean round so far (early stops end sooner).
+rounds take as long as the mean round so far (early stops end sooner). The number and
+duration formats are the console's everywhere (`rlhf.tracking.sinks`, `rlhf.tracking.results`).
 """
 
 from __future__ import annotations
@@ -14,11 +15,18 @@ import math
 import sys
 from typing import Mapping, TextIO
 
-from rlhf.tracking.sinks import format_number
-
 # The headline metrics of a round line, in order (last step of the round).
 ROUND_KEYS = ("critic/score/mean", "actor/current_kl", "actor/reward_kl_penalty_coeff", "actor/pg_loss",
               "response_length/mean", "timing_s/step")
+
+
+def format_number(x: float) -> str:
+    """A metric value in at most four significant digits, or in exponent form when tiny or huge."""
+    if math.isnan(x):
+        return "nan"
+    if x == 0 or 1e-3 <= abs(x) < 1e4:
+        return f"{x:.4g}"
+    return f"{x:.3e}"
 
 
 def format_duration(seconds: float) -> str:

@@ -28,6 +28,7 @@ import warnings
 from typing import Any, Iterable, Protocol, TextIO, runtime_checkable
 
 from rlhf.config.redact import SECRET_ENV_VARS, URI_PASSWORD, redact  # noqa: F401 (also read from this module)
+from rlhf.tracking.progress import format_number
 
 # Console line: (metric key, short label); val-core/* and val/* keys are appended as found.
 # Labels are the metric names themselves, as the decks and MLflow show them.
@@ -82,14 +83,6 @@ def param_value(value: Any) -> str:
     MLflow's length limit."""
     text = redact(json.dumps(value) if isinstance(value, (list, tuple, dict)) else str(value))
     return text if len(text) <= PARAM_VALUE_MAX else text[:PARAM_VALUE_MAX - 3] + "..."
-
-
-def format_number(x: float) -> str:
-    if math.isnan(x):
-        return "nan"
-    if x == 0 or 1e-3 <= abs(x) < 1e4:
-        return f"{x:.4g}"
-    return f"{x:.3e}"
 
 
 def format_step(metrics: dict[str, float], step: int, keys: Iterable[tuple[str, str]] = CONSOLE_KEYS) -> str:

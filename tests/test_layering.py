@@ -207,3 +207,55 @@ def test_layer_checks_see_a_circle_and_an_upward_import(tmp_path: Path):
     assert sorted(map(tuple, import_cycles(graph))) == [
         ("rlhf.config", "rlhf.config.a"), ("rlhf.data.io", "rlhf.round.stages"), ("sweeps.s", "tasks.t")]
     assert upward_imports(graph) == ["rlhf.data.io -> rlhf.round.stages", "tasks.t -> sweeps.s"]
+
+
+# -- the depth: a workflow reaches the lowest module through few others ------------------------
+
+# Modules on the longest import chain from a `workflows.*` or `sweeps.*` module, both ends
+# counted (lazy imports included, as everywhere in this file). A longer chain is a seam to
+# cut: import from the defining module, or move the shared piece down.
+MAX_CHAIN = 10
+
+
+def longest_chain(graph: dict[str, set[str]], start: str) -> list[str]:
+    """The longest import chain from `start` ([start] when it imports nothing); a module
+    already on the chain is not entered again, so a circle cannot loop."""
+    memo: dict[str, list[str]] = {}
+
+    def walk(mod: str, path: frozenset[str]) -> list[str]:
+        if mod not in memo:
+            below = [walk(t, path | {mod}) for t in sorted(graph.get(mod, ())) if t not in path]
+            memo[mod] = [mod] + max(below, key=len, default=[])
+        return memo[mod]
+
+    return walk(start, frozenset())
+
+
+def long_chains(graph: dict[str, set[str]], limit: int = MAX_CHAIN, tops=("workflows", "sweeps")) -> list[list[str]]:
+    """The longest chain from each module of `tops` that is longer than `limit`, longest first."""
+    chains = [longest_chain(graph, m) for m in sorted(graph) if m.split(".")[0] in tops]
+    return sorted((c for c in chains if len(c) > limit), key=len, reverse=True)
+
+
+def test_import_chains_from_workflows_are_short():
+    bad = long_chains(import_graph(ROOT))
+    assert not bad, f"import chains longer than {MAX_CHAIN} modules:\n" + "\n".join(
+        f"{len(c)}: {' -> '.join(c)}" for c in bad)
+
+
+def test_chain_check_sees_a_long_chain(tmp_path: Path):
+    """A workflow four modules above its lowest module, through a package `__init__` and a
+    lazy import: over a limit of 3, within a limit of 4."""
+    files = {
+        "workflows/__init__.py": "", "workflows/w.py": "from tasks.t import task\n",
+        "tasks/__init__.py": "", "tasks/t.py": "def task():\n    from rlhf.data import read\n",
+        "rlhf/__init__.py": "", "rlhf/data/__init__.py": "from rlhf.data.io import read\n", "rlhf/data/io.py": "",
+        "schemas/__init__.py": "", "sweeps/__init__.py": "",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    graph = import_graph(tmp_path)
+    assert longest_chain(graph, "workflows.w") == ["workflows.w", "tasks.t", "rlhf.data", "rlhf.data.io"]
+    assert long_chains(graph, limit=3) == [["workflows.w", "tasks.t", "rlhf.data", "rlhf.data.io"]]
+    assert long_chains(graph, limit=4) == []

@@ -1,8 +1,8 @@
 """The pieces a driver composes into a PPO round: the stages as plain functions
-(`stages`: data, policy, sample, rollout, score, update, evaluate; `partition`: rows balanced
-over ranks), the rules both drivers follow (`rules`: seeds, validation schedule, per-step
-metrics, the summary), the state that crosses
-rounds and the early-stopping decision (`state`), validation (`evaluate`), stored rollouts
+(`stages`: data, sample, rollout, score, update; `partition`: rows balanced over ranks),
+the starting policy (`policy`), the rules both drivers follow (`rules`: seeds, validation
+schedule, per-step metrics, the summary), the state that crosses rounds and the
+early-stopping decision (`state`), validation (`evaluate`), stored rollouts
 standing in for the rollout stage (`offline`), and round checkpoints written in the
 background and verified on resume (`checkpoint`, `checkpoint_io`).
 

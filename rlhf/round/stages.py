@@ -2,6 +2,9 @@
 
     prepare_data -> sample_prompts -> rollout -> score -> (to_buffer) update -> evaluate -> decide
 
+(the starting policy: `rlhf.round.policy`; validation: `rlhf.round.evaluate`; the decision:
+`rlhf.round.state`).
+
 The in-process loop (`rlhf.train`) composes them; each Flyte task wraps exactly one;
 the Flyte workflow composes them in the same order. Tables that cross stage
 boundaries follow the pandera models in `schemas/`.

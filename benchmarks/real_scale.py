@@ -1,7 +1,9 @@
 """Whole PPO rounds at real model size, through each driver's own functions, in one process.
 
-    python benchmarks/real_scale.py --rounds 10 --staged-rounds 3 --ckpt-dir /dev/shm/real_scale \
-        --staged-alt-dir /tmp/real_scale --out benchmarks/results/real_scale_h200.json
+    python benchmarks/real_scale.py --rounds 10 --drivers in_process --ckpt-dir /dev/shm/rs --one-checkpoint
+    python benchmarks/real_scale.py --rounds 10 --drivers colocated --ckpt-dir /dev/shm/rs --one-checkpoint
+    python benchmarks/real_scale.py --staged-rounds 2 --drivers staged --ckpt-dir /dev/shm/rs \
+        --staged-alt-dir /tmp/rs                                                 # one device call each
     python benchmarks/real_scale.py --tiny --out /tmp/real_scale_tiny.json     # the same code on a CPU
 
 The workload: a Qwen2.5-1.5B-shaped actor and critic (random init, bf16), 64 prompts x 4
@@ -183,20 +185,28 @@ def free_device() -> None:
 IN_PROCESS_COMPUTE = ("timing_s/gen", "timing_s/reward", "timing_s/update", "timing_s/testing")
 
 
+DELETED: list[float] = []  # seconds each save spent deleting the checkpoint before it (--one-checkpoint)
+
+
 def one_checkpoint_on_disk() -> None:
     """Make every save first delete the checkpoints already there: on a machine whose disk
     (or RAM, for /dev/shm) holds one 1.5B checkpoint and no second, the newest stays only
-    until the next one starts. (A run keeps the last one until the new one is sealed.)"""
+    until the next one starts. (A run keeps the last one until the new one is sealed, and
+    prunes it in the writer's thread.) The time this takes on the training thread is the
+    benchmark's, not the driver's: it is recorded per round (`benchmark_delete_s`) and left
+    out of the checkpoint stall."""
     from rlhf.round import checkpoint as ckpt
 
     save = ckpt.save
 
     def save_alone(final, *args, **kwargs):
+        t = time.perf_counter()
         writer = kwargs.get("writer")
         if writer is not None:
             writer.wait()
         for old in Path(final).parent.glob("round_*"):
             shutil.rmtree(old, ignore_errors=True)
+        DELETED.append(time.perf_counter() - t)
         return save(final, *args, **kwargs)
 
     ckpt.save = save_alone
@@ -214,10 +224,12 @@ def run_in_process(cfg, rounds: int, device: torch.device) -> dict:
     try:
         for _ in range(rounds):
             rec.start()
+            DELETED.clear()
             run.round()
             parts = {k: v for k, v in run.timing.items() if k.startswith("timing_s/")}
-            stall = parts.get("timing_s/save_checkpoint", 0.0) + parts.get("timing_s/checkpoint_wait", 0.0)
-            rec.add(parts, checkpoint_stall_s=stall, writer_busy_after_round=run.writer.busy)
+            deleted = sum(DELETED)
+            stall = parts.get("timing_s/save_checkpoint", 0.0) + parts.get("timing_s/checkpoint_wait", 0.0) - deleted
+            rec.add(parts, checkpoint_stall_s=stall, benchmark_delete_s=deleted, writer_busy_after_round=run.writer.busy)
         t = time.perf_counter()
         final_wait = run.flush()
         flushed = time.perf_counter() - t

@@ -193,3 +193,18 @@ def synthetic_tokenizer(vocab_size: int):
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+
+
+def init_process_group(device: torch.device) -> None:
+    """One group that runs collectives on CPU tensors (gloo) and on GPU tensors (NCCL)."""
+    import torch.distributed as dist
+
+    if device.type != "cuda" or dist.is_initialized():
+        return
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(k, v)
+    if "MASTER_PORT" not in os.environ:
+        from rlhf.trainer.dist import _free_port
+
+        os.environ["MASTER_PORT"] = str(_free_port())
+    dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)

@@ -39,6 +39,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 import torch  # noqa: E402
 
 import gpu_common as G  # noqa: E402
+from update_summary import summarize  # noqa: E402
 
 OURS = {
     "padded": ["data.use_sequence_packing=false", "actor.use_dynamic_bsz=false"],
@@ -79,7 +80,7 @@ def run_ours(a, variant: str) -> dict:
     from rlhf.trainer.ppo import PPOTrainer
 
     device = G.pick_device(a.tiny)
-    init_process_group(device)
+    G.init_process_group(device)
     rank, world = D.init_distributed(device)
     cfg = load_config(None, base_overrides(a, world) + OURS[variant])
     if a.ds_json:
@@ -215,252 +216,6 @@ def merge_ds_config(extra: dict) -> None:
     E.ds_config = merged
 
 
-def init_process_group(device: torch.device) -> None:
-    """One group that runs collectives on CPU tensors (gloo) and on GPU tensors (NCCL)."""
-    import torch.distributed as dist
-
-    if device.type != "cuda" or dist.is_initialized():
-        return
-    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(k, v)
-    if "MASTER_PORT" not in os.environ:
-        from rlhf.trainer.dist import _free_port
-
-        os.environ["MASTER_PORT"] = str(_free_port())
-    dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
-
-
-def run_check(a) -> dict:
-    """The fast paths against the plain ones on this device: log-probs and gradients of the
-    packed (variable-length attention, fused LM head) and padded (SDPA) layouts against the
-    model's own logits, on a few sequences of the benchmark's length spread."""
-    import inspect
-
-    from rlhf import algos
-    from rlhf.trainer import forward as F
-    from rlhf.models import attention as A
-
-    device = G.pick_device(a.tiny)
-    dtype = torch.float32 if a.tiny else torch.bfloat16
-    model = G.build_policy(a.model, device, dtype)
-    p_lens, r_lens = G.sample_lengths(4, 4, a.max_prompt, a.max_response, seed=a.seed + 1)
-    buf, _, _ = G.scored_buffer(p_lens, r_lens, 4, model.config.vocab_size, seed=a.seed + 1)
-    buf = buf.to(device)
-    w = torch.randn(buf.response_mask.shape, device=device) * buf.response_mask
-    probe = [model.model.layers[0].self_attn.q_proj.weight, model.model.embed_tokens.weight]
-
-    def run(kind):
-        model.zero_grad(set_to_none=True)
-        if kind == "reference":  # the model's own forward, full logits, SDPA with a padding mask
-            model.set_attn_implementation("sdpa")
-            R = buf.responses.shape[1]
-            logits = model(input_ids=buf.input_ids, attention_mask=buf.attention_mask,
-                           position_ids=buf.position_ids, use_cache=False).logits[:, -R - 1:-1].float()
-            lp = algos.logprobs_from_logits(logits, buf.responses) * buf.response_mask
-        else:
-            lp, _ = F.log_probs(model, buf, 1.0, packed=kind == "packed", with_entropy=True)
-        sync = G.sync
-        (lp * w).sum().backward()
-        sync(device)
-        return lp.detach(), [p.grad.detach().float().clone() for p in probe]
-
-    ref_lp, ref_g = run("reference")
-    out = {"varlen_attn_api": None, "n_tokens": float(buf.attention_mask.sum())}
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-
-        out["varlen_attn_api"] = str(inspect.signature(varlen_attn))
-    except ImportError:
-        pass
-    for kind in ("padded", "packed"):
-        lp, g = run(kind)
-        mask = buf.response_mask.bool()
-        out[kind] = {"max_abs_logprob_diff": float((lp - ref_lp)[mask].abs().max()),
-                     "mean_abs_logprob_diff": float((lp - ref_lp)[mask].abs().mean()),
-                     "grad_rel_err": [float((x - y).norm() / y.norm()) for x, y in zip(g, ref_g)]}
-    out["flash_varlen_used"] = A._FLASH_OK.get("varlen", True) and device.type == "cuda"
-    out["variant"] = "check"
-    print(json.dumps(out, indent=1), flush=True)
-    return out
-
-
-def run_attn_check(a) -> dict:
-    """The variable-length flash kernel against per-sequence SDPA in float32, and SDPA in bf16 for
-    scale: relative error of outputs and of q/k/v gradients, Qwen2.5-1.5B head layout."""
-    from rlhf.models import attention as A
-
-    device = G.pick_device(a.tiny)
-    torch.manual_seed(0)
-    lens = [300, 17, 512, 128, 64, 700]
-    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
-    T, hq, hkv, d = sum(lens), 12, 2, 128
-    q, k, v = (torch.randn(T, h, d, device=device) for h in (hq, hkv, hkv))
-    go = torch.randn(T, hq, d, device=device)
-    scale = d ** -0.5
-
-    def run(fn, dtype):
-        xs = [t.detach().to(dtype).clone().requires_grad_(True) for t in (q, k, v)]
-        out = fn(*xs)
-        out.backward(go.to(dtype))
-        return [out.float()] + [x.grad.float() for x in xs]
-
-    ref = run(lambda *x: A.varlen_reference(*x, cu.tolist(), scale), torch.float32)
-    res = {}
-    for name, fn in (("flash_bf16", lambda *x: A.varlen_flash(*x, cu, max(lens), scale)),
-                     ("sdpa_bf16", lambda *x: A.varlen_reference(*x, cu.tolist(), scale))):
-        try:
-            got = run(fn, torch.bfloat16)
-            res[name] = {n: float((g - r).norm() / r.norm()) for n, g, r in zip(("out", "dq", "dk", "dv"), got, ref)}
-        except Exception as e:
-            res[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-    res["variant"] = "attn_check"
-    print(json.dumps(res), flush=True)
-    return res
-
-
-def summarize(steps: list[dict], tokens: float, resp_tokens: float, world: int, n_actor: int, n_critic: int,
-              n_embed: int, peak: float, epochs: int = 1) -> dict:
-    """Median stage times over timed steps; tokens/s and MFU (6 N T per pass over the batch for
-    a trained model, `epochs` passes; 2 N T for a forward-only pass; N the parameters that
-    multiply per token)."""
-    import statistics
-
-    keys = steps[0]["times_s"].keys()
-    t = {k: statistics.median(s["times_s"][k] for s in steps) for k in keys}
-    peak_gb = {k: max(s["peak_gb"].get(k, 0.0) for s in steps) for k in keys}
-    out = {"stage_time_s": t, "stage_peak_allocated_gb": peak_gb, "steps_timed": len(steps),
-           "stage_alloc_retries": [s.get("alloc_retries", {}) for s in steps],
-           "tokens_per_step": tokens, "response_tokens_per_step": resp_tokens,
-           "tokens_per_s": tokens / t["total"], "tokens_per_s_per_gpu": tokens / t["total"] / world,
-           "losses": [{"pg_loss": s["pg_loss"], "vf_loss": s["vf_loss"]} for s in steps]}
-    if peak:
-        n_critic_mm = max(n_critic - n_embed, 0)  # the critic's embedding is a lookup, it has no LM head
-        flops = {
-            "update_actor": 6 * n_actor * tokens * epochs, "old_log_prob": 2 * n_actor * tokens,
-            "ref": 2 * n_actor * tokens, "values": 2 * n_critic_mm * tokens if n_critic else 0,
-            "update_critic": 6 * n_critic_mm * tokens * epochs,
-        }
-        out["mfu_actor"] = flops["update_actor"] / t["update_actor"] / world / peak
-        # the LM head only over response positions, as the fused path computes it
-        needed = 6 * ((n_actor - n_embed) * tokens + n_embed * resp_tokens) * epochs
-        out["mfu_actor_needed_flops"] = needed / t["update_actor"] / world / peak
-        if n_critic and t.get("update_critic", 0) > 0:
-            out["mfu_critic"] = flops["update_critic"] / t["update_critic"] / world / peak
-        out["mfu_step"] = sum(flops[k] for k in flops if k in t and t[k] > 0) / t["total"] / world / peak
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# TRL
-# ---------------------------------------------------------------------------------------------
-
-
-def run_trl(a) -> dict:
-    """TRL's GRPOTrainer on the same model and batch, driven without generation: the
-    reference and old log-probs of `_generate_and_score_completions`, then per micro-batch
-    `compute_loss` + `accelerator.backward`, with an optimizer step per mini-batch."""
-    import trl
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
-
-    from rlhf.models.tokenizer import build_char_tokenizer
-
-    device = G.pick_device(a.tiny)
-    dtype = torch.float32 if a.tiny else torch.bfloat16
-    tok = build_char_tokenizer()
-    model_dir = tempfile.mkdtemp(prefix="trl-policy-")
-    policy = G.build_policy(a.model, device, dtype)
-    policy.config.pad_token_id = tok.pad_token_id
-    policy.save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
-    vocab = policy.config.vocab_size
-    n_actor, n_embed = G.n_params(policy), policy.get_input_embeddings().weight.numel()
-    del policy
-    torch.cuda.empty_cache() if device.type == "cuda" else None
-
-    rows = a.prompts * a.n
-    micro, mini_rows = a.micro, a.mini * a.n
-    args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="trl-out-"), per_device_train_batch_size=micro,
-        gradient_accumulation_steps=mini_rows // micro, steps_per_generation=rows // micro,
-        num_generations=a.n, max_completion_length=a.max_response, beta=0.001, epsilon=0.2, learning_rate=1e-6,
-        loss_type="bnpo", bf16=not a.tiny, use_cpu=device.type == "cpu", report_to="none",
-        gradient_checkpointing=False, model_init_kwargs={"dtype": dtype}, save_strategy="no",
-        logging_steps=10**6, max_grad_norm=1.0, disable_dropout=True, seed=a.seed)
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=[_zero_reward], args=args,
-                          train_dataset=Dataset.from_dict({"prompt": ["1+1="] * rows}), processing_class=tok)
-    trainer.create_optimizer()
-    model, optimizer = trainer.accelerator.prepare(trainer.model, trainer.optimizer)
-    trainer.model_wrapped = model
-    trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps
-    model.train()
-
-    p_lens, r_lens = G.sample_lengths(a.prompts, a.n, a.max_prompt, a.max_response, seed=a.seed)
-    _, prompts, responses = G.scored_buffer(p_lens, r_lens, a.n, vocab, seed=a.seed)
-    batch = trl_layout(prompts, responses, tok.pad_token_id, device)
-    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
-    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-    keep = batch["completion_ids"].shape[1]
-    tokens = float(mask.sum())
-    resp_tokens = float(batch["completion_mask"].sum())
-
-    steps = []
-    for it in range(a.warmup + a.steps):
-        timer = G.StageTimer(device)
-        with timer("total"):
-            with torch.no_grad():
-                with timer("old_log_prob"):
-                    old, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, keep, batch_size=micro)
-                with timer("ref"):
-                    ref, _, _ = trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, mask, keep,
-                                                                           batch_size=micro)
-            inputs = dict(batch, old_per_token_logps=old, ref_per_token_logps=ref,
-                          advantages=torch.randn(rows, device=device))
-            with timer("update_actor"):
-                for s in range(0, rows, mini_rows):
-                    for m in range(s, s + mini_rows, micro):
-                        part = {k: v[m:m + micro] for k, v in inputs.items()}
-                        loss = trainer.compute_loss(model, part)
-                        trainer.accelerator.backward(loss)
-                    trainer.accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-        if it >= a.warmup:
-            steps.append({"times_s": timer.times, "peak_gb": timer.peak_gb, "alloc_retries": timer.alloc_retries,
-                          "pg_loss": float(loss.detach()), "vf_loss": None})
-        print("[trl] step %d: " % it + " ".join(f"{k}={v:.2f}s" for k, v in timer.times.items()), flush=True)
-    out = summarize(steps, tokens=tokens, resp_tokens=resp_tokens, world=1, n_actor=n_actor, n_critic=0,
-                    n_embed=n_embed, peak=0 if a.tiny else G.PEAK_BF16_FLOPS)
-    out.update(variant="trl", world_size=1, trl_version=trl.__version__, lengths=G.length_stats(p_lens, r_lens),
-               trl_args={k: getattr(args, k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
-                                                       "steps_per_generation", "beta", "loss_type", "bf16",
-                                                       "gradient_checkpointing", "optim", "max_grad_norm")},
-               padded_tokens_per_step=float(mask.numel()), n_params_actor=n_actor, epochs=1,
-               optimizer=type(getattr(optimizer, "optimizer", optimizer)).__name__)
-    if device.type == "cuda":
-        out["peak_gb_process"] = torch.cuda.max_memory_reserved(device) / 2**30
-    return out
-
-
-def _zero_reward(completions, **kwargs):
-    return [0.0] * len(completions)
-
-
-def trl_layout(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device) -> dict:
-    """TRL's batch layout: prompts left-padded and completions right-padded to the batch's widths."""
-    P, R = max(map(len, prompts)), max(map(len, responses))
-    out = {"prompt_ids": torch.full((len(prompts), P), pad_id), "prompt_mask": torch.zeros(len(prompts), P),
-           "completion_ids": torch.full((len(prompts), R), pad_id), "completion_mask": torch.zeros(len(prompts), R)}
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        out["prompt_ids"][i, P - len(p):] = torch.tensor(p)
-        out["prompt_mask"][i, P - len(p):] = 1
-        out["completion_ids"][i, :len(r)] = torch.tensor(r)
-        out["completion_mask"][i, :len(r)] = 1
-    out["prompt_mask"] = out["prompt_mask"].long()
-    out["completion_mask"] = out["completion_mask"].long()
-    return {k: v.to(device) for k, v in out.items()}
-
-
 # ---------------------------------------------------------------------------------------------
 # Driver
 # ---------------------------------------------------------------------------------------------
@@ -506,16 +261,20 @@ def parse(argv=None):
 
 def run_one(a) -> None:
     try:
-        if a.variant == "check":
-            res = run_check(a)
-        elif a.variant == "attn_check":
-            res = run_attn_check(a)
+        if a.variant in ("check", "attn_check"):
+            from update_checks import run_attn_check, run_check
+
+            res = run_check(a) if a.variant == "check" else run_attn_check(a)
         elif a.variant.startswith("raw_"):
             from update_diagnostics import run_raw
 
             res = run_raw(a, a.variant)
+        elif a.variant == "trl":
+            from update_trl import run_trl  # TRL is imported only by its lane
+
+            res = run_trl(a)
         else:
-            res = run_trl(a) if a.variant == "trl" else run_ours(a, a.variant)
+            res = run_ours(a, a.variant)
     except Exception as e:  # recorded, so that one failed variant does not hide the others
         res = {"variant": a.variant, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
         print(res["traceback"], file=sys.stderr, flush=True)

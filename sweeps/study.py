@@ -10,7 +10,7 @@ so trials in other processes or pods reach the same study.
 A worker that dies mid-trial (a killed pod, a lost node) cannot tell its trial FAIL. Its
 `TrialReporter` records a heartbeat every `heartbeat_interval` seconds while the trial
 runs; `ask_batch` first fails every RUNNING trial whose heartbeat is older than
-`grace_period`, and `RetryFailedTrialCallback` queues a retry with the same params
+`grace_period`, and Optuna's retry callback queues a retry with the same params
 (up to `max_retry` times), which the next ask picks up. A reporter opened only around a
 round's report beats once per round, so `grace_period` must exceed a round's duration.
 """
@@ -48,6 +48,19 @@ def _sampler(spec: StudySpec):
     raise ValueError(f"unknown sweep sampler {spec.sampler!r}; choose tpe, random or nsga2")
 
 
+def _retry_stale_trials(max_retry: int) -> dict:
+    """`RDBStorage`'s argument for the callback that re-queues a trial whose heartbeat went
+    stale (with the same params): Optuna 4.9 renamed both the callback class and the argument
+    (`RetryHeartbeatStaleTrialCallback`, `heartbeat_stale_trial_callback`) and deprecates the
+    old names, which older 4.x releases alone have."""
+    import optuna
+
+    new = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)
+    if new is not None:
+        return {"heartbeat_stale_trial_callback": new(max_retry=max_retry)}
+    return {"failed_trial_callback": optuna.storages.RetryFailedTrialCallback(max_retry=max_retry)}
+
+
 def open_study(spec: StudySpec, storage: str):
     """Create the study, or load it when a study of that name exists (a re-launch continues it).
 
@@ -57,9 +70,8 @@ def open_study(spec: StudySpec, storage: str):
 
     import optuna
 
-    retry = optuna.storages.RetryFailedTrialCallback(max_retry=spec.max_retry)
     rdb = optuna.storages.RDBStorage(storage, heartbeat_interval=spec.heartbeat_interval,
-                                     grace_period=spec.grace_period, failed_trial_callback=retry)
+                                     grace_period=spec.grace_period, **_retry_stale_trials(spec.max_retry))
     study = optuna.create_study(study_name=spec.name, storage=rdb, directions=list(spec.directions),
                                 sampler=_sampler(spec), pruner=pruner_for(spec), load_if_exists=True)
     n_trials = len(study.get_trials(deepcopy=False))

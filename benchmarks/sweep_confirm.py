@@ -4,7 +4,7 @@ from the embedded default or from a deliberately poor start, and its confirm tab
 
     python benchmarks/sweep_confirm.py --tag default
     python benchmarks/sweep_confirm.py --tag poor_start \\
-        algorithm.kl_ctrl.kl_coef=0.1 actor.clip_ratio=0.1 actor.entropy_coeff=0.0
+        algorithm.kl_ctrl.kl_coef=0.5 actor.clip_ratio=0.02 actor.entropy_coeff=0.05
 
 The base config is the sweep's embedded default (`sweeps.sweep.SWEEP_CFG`) with the given
 overrides, written as a YAML file and passed with `--cfg`; the sweep settings are the

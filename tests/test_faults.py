@@ -113,6 +113,7 @@ def test_inf_gradients_skip_the_step(run):
 def test_checkpoint_of_non_finite_weights_is_refused(run, caplog):
     """A NaN weight (a state the update guards should never let through): the save raises,
     logs the tensor's name, and leaves neither a new checkpoint nor a temporary directory."""
+    run.flush()  # the fixture's last checkpoint is written in the background; list it once sealed
     before = sorted(p.name for p in ckpt.checkpoint_root(run.out).iterdir())
     p = run.trainer.actor.module.model.layers[1].mlp.up_proj.weight
     old = p.detach().clone()

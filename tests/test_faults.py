@@ -274,6 +274,7 @@ def test_repeated_nan_rewards_from_a_reward_model_stop_the_run(run, tmp_path, ca
     assert "reward model at" in caplog.text and "returned nan" in caplog.text
     from safetensors.torch import load_file
 
+    run.flush()  # the stop's checkpoint is written in the background
     saved_actor = load_file(str(ckpt.latest_checkpoint(run.out) / "actor" / "model.safetensors"))
     for k, v in saved_actor.items():
         assert torch.isfinite(v).all() and torch.equal(v, start[k]), k

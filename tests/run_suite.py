@@ -1,0 +1,47 @@
+"""The whole suite on both cores: `make test` runs this.
+
+Most tests run on one torch thread, so one pytest process leaves the second core of a
+2-core machine idle. The files in `BESIDE` are CPU-bound and self-contained (no server, no
+shared cache, no process group: hypothesis property tests, the Triton kernels under Triton's
+interpreter, the SFT warm-start's phase change): they run in a second pytest process beside
+the rest, and their report is printed after the main one. The exit status is non-zero when
+either process fails.
+
+    python tests/run_suite.py                 # the split run (what make test does)
+    python tests/run_suite.py -k checkpoint   # any pytest arguments: one plain pytest run
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BESIDE = ["tests/test_properties.py", "tests/test_triton_kernels.py", "tests/test_sft.py"]
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=900"]
+
+
+def main(argv: list[str]) -> int:
+    if argv:  # a chosen selection: one process, as pytest itself would run it
+        return subprocess.call([*PYTEST, *argv], cwd=ROOT)
+    log = ROOT / ".cache" / "test-beside.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    with open(log, "w") as out:
+        beside = subprocess.Popen([*PYTEST, *BESIDE], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            main_rc = subprocess.call([*PYTEST, *(f"--ignore={f}" for f in BESIDE)], cwd=ROOT)
+        finally:
+            beside_rc = beside.wait()
+    print(f"\n--- {' '.join(BESIDE)} (run beside the rest; log {log.relative_to(ROOT)}) ---", flush=True)
+    print(log.read_text(), end="", flush=True)
+    status = "passed" if main_rc == 0 and beside_rc == 0 else "FAILED"
+    print(f"--- suite {status}: main run exit {main_rc}, beside run exit {beside_rc}, "
+          f"{time.monotonic() - t0:.0f} s in all ---", flush=True)
+    return 1 if main_rc or beside_rc else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

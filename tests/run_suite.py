@@ -1,11 +1,12 @@
 """The whole suite on both cores: `make test` runs this.
 
 Most tests run on one torch thread, so one pytest process leaves the second core of a
-2-core machine idle. The files in `BESIDE` are CPU-bound and self-contained (no server, no
-shared cache, no process group: hypothesis property tests, the Triton kernels under Triton's
-interpreter, the SFT warm-start's phase change): they run in a second pytest process beside
-the rest, and their report is printed after the main one. The exit status is non-zero when
-either process fails.
+2-core machine idle. The files in `BESIDE` need no server, no shared model cache, no
+PostgreSQL and no process group (hypothesis property tests, the Triton kernels under Triton's
+interpreter, the SFT warm-start's phase change, and the local Flyte executions of segments,
+workflows, the offline workflow and `--help`): they run in a second pytest process beside the
+rest, chosen so that both take about as long, and their report is printed after the main one.
+The exit status is non-zero when either process fails.
 
     python tests/run_suite.py                 # the split run (what make test does)
     python tests/run_suite.py -k checkpoint   # any pytest arguments: one plain pytest run
@@ -19,7 +20,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BESIDE = ["tests/test_properties.py", "tests/test_triton_kernels.py", "tests/test_sft.py"]
+BESIDE = ["tests/test_properties.py", "tests/test_triton_kernels.py", "tests/test_sft.py", "tests/test_segment.py",
+          "tests/test_tasks_workflows.py", "tests/test_offline.py", "tests/test_flyte_help.py"]
 PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=900"]
 
 

@@ -1,8 +1,9 @@
 """Which configuration learns fastest per wall-second, and how it compares with TRL's GRPOTrainer.
 
-For each seed, one SFT warm-start (the default run's start) is built once; then two lanes
-run side by side from it, one CPU thread each, each in its own process, so machine load
-falls on both equally. A lane trains until its training clock reaches `--seconds`; greedy
+For each seed, one SFT warm-start (the default run's start) is built once; then the lanes
+(`--pair A B`, or any number with `--lanes`) run side by side from it, one CPU thread each,
+each in its own process, so machine load falls on all equally (`--parallel-seeds`: every
+seed's lanes at once, on a machine with a core per lane). A lane trains until its training clock reaches `--seconds`; greedy
 validation on the held-out split runs after every rollout round (ours) or generation batch
 (TRL), with the clock paused, so both lanes are judged on the same val set at the same
 training time, and the curve also gives accuracy at equal sample counts.
@@ -14,6 +15,7 @@ user would try it). TRL is imported from `--trl-site` (a `pip install --target` 
 in its own lane.
 
     python benchmarks/learning_speed.py --pair default grpo --seeds 0 1 2 --seconds 300
+    python benchmarks/learning_speed.py --lanes default e1 trl --seeds 0 1 2 --parallel-seeds --eval-every 30
 
 Writes benchmarks/results/learning_speed_<a>_vs_<b>.json (machine, versions, command, curves).
 """
@@ -47,6 +49,12 @@ LANES: dict[str, list[str]] = {
     "grpo_n8_b32": ["algorithm.adv_estimator=grpo", "rollout.n=8", "data.train_batch_size=32",
                     "actor.ppo_mini_batch_size=8"],
     "grpo_lr1e-3": ["algorithm.adv_estimator=grpo", "actor.lr=1e-3"],
+    # one pass over each batch (as TRL's default): half the update's cost per sample
+    "e1": ["actor.ppo_epochs=1", "critic.ppo_epochs=1"],
+    "e1_lr4e-4": ["actor.ppo_epochs=1", "critic.ppo_epochs=1", "actor.lr=4e-4"],
+    "rloo_e1": ["algorithm.adv_estimator=rloo", "actor.ppo_epochs=1"],
+    "grpo_klloss_e1": ["algorithm.adv_estimator=grpo", "actor.use_kl_loss=true", "algorithm.use_kl_in_reward=false",
+                       "actor.ppo_epochs=1"],
 }
 TRL_SITE = "/work/main/.cache/trl-site"
 RUN_OVERRIDES = ["trainer.resume=disable", "trainer.logger=[none]", "trainer.total_rounds=100000",
@@ -75,7 +83,14 @@ def val_accuracy(model, tok, cfg, val) -> float:
     return acc
 
 
-def our_lane(lane: str, seed: int, out_dir: str, seconds: float, overrides: list[str], go, result) -> None:
+def due(clock: float, seconds: float, every: float, last_eval: float) -> bool:
+    """Validate now? After every round with `every` 0, else once per `every` seconds of
+    training clock, and at the end."""
+    return every <= 0 or clock >= seconds or clock // every > last_eval // every
+
+
+def our_lane(lane: str, seed: int, out_dir: str, seconds: float, overrides: list[str], go, result,
+             every: float = 0.0) -> None:
     """Child: the project's rounds (rlhf.train's Run) until the training clock reaches `seconds`."""
     import torch
 
@@ -93,21 +108,22 @@ def our_lane(lane: str, seed: int, out_dir: str, seconds: float, overrides: list
         verdict = run.round()
         clock += time.perf_counter() - t
         reason = verdict.reason if verdict.stop else ""
-        curve.append({"round": run.state.round, "samples": run.state.round * per_round, "clock_s": clock,
-                      "val": run.evaluate()})
+        if due(clock, seconds, every, curve[-1]["clock_s"]) or reason:
+            curve.append({"round": run.state.round, "samples": run.state.round * per_round, "clock_s": clock,
+                          "val": run.evaluate()})
     run.close()
-    result.put({"lane": lane, "curve": curve, "stop_reason": reason, "overrides": LANES.get(lane, []) + overrides})
+    result.put({"lane": lane, "seed": seed, "curve": curve, "stop_reason": reason, "overrides": LANES.get(lane, []) + overrides})
 
 
 def trl_lane(lane: str, seed: int, out_dir: str, seconds: float, overrides: list[str], go, result,
-             partner: str = "default") -> None:
+             every: float = 0.0, partner: str = "default", trl_site: str = TRL_SITE) -> None:
     """Child: TRL's GRPOTrainer from the same start on the same prompts and reward, with the
     prompts per generation, responses per prompt, response length and learning rate of the
     lane it is compared with (`partner`); everything else is TRL's default."""
     import torch
 
     torch.set_num_threads(1)
-    sys.path.insert(0, TRL_SITE)
+    sys.path.insert(0, trl_site)
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -142,8 +158,9 @@ def trl_lane(lane: str, seed: int, out_dir: str, seconds: float, overrides: list
             if state.global_step % args.steps_per_generation == 0:
                 clock.pause()
                 rnd = state.global_step // args.steps_per_generation
-                curve.append({"round": rnd, "samples": rnd * prompts_per_gen * n, "clock_s": clock.total,
-                              "val": val_accuracy(kw["model"], tok, cfg, data.val)})
+                if due(clock.total, seconds, every, curve[-1]["clock_s"]):
+                    curve.append({"round": rnd, "samples": rnd * prompts_per_gen * n, "clock_s": clock.total,
+                                  "val": val_accuracy(kw["model"], tok, cfg, data.val)})
                 control.should_training_stop = clock.total >= seconds
                 clock.resume()
 
@@ -154,7 +171,7 @@ def trl_lane(lane: str, seed: int, out_dir: str, seconds: float, overrides: list
     trainer.train()
     import trl
 
-    result.put({"lane": lane, "curve": curve, "stop_reason": "", "trl_version": trl.__version__,
+    result.put({"lane": lane, "seed": seed, "curve": curve, "stop_reason": "", "trl_version": trl.__version__,
                 "trl_args": {k: getattr(args, k) for k in ("learning_rate", "beta", "loss_type", "scale_rewards",
                                                           "num_iterations", "epsilon", "temperature",
                                                           "per_device_train_batch_size", "steps_per_generation",
@@ -188,32 +205,42 @@ def warm_start(seed: int, root: Path, overrides: list[str]) -> Path:
     return Path(prepare_policy(cfg, str(root), stages.prepare_data(cfg)))
 
 
-def run_pair(seed: int, pair: list[str], args) -> list[dict]:
-    """Both lanes of `pair` side by side from one warm-start; their results in pair order."""
-    root = Path(args.out) / f"seed{seed}"
-    base = warm_start(seed, root, args.overrides)
+def run_group(seeds: list[int], lanes: list[str], args) -> list[dict]:
+    """Every lane of every seed in `seeds` side by side (one process and thread each), each
+    seed's lanes from that seed's warm-start; their results in seed, then lane order."""
     ctx = mp.get_context("spawn")
     go, results, procs = ctx.Event(), ctx.Queue(), []
-    for lane in pair:
-        lane_dir = root / lane
-        lane_dir.mkdir(parents=True, exist_ok=True)
-        link = lane_dir / "base_model"
-        if not link.exists():
-            link.symlink_to(base.resolve(), target_is_directory=True)
-        lane_args = (lane, seed, str(lane_dir), args.seconds, args.overrides, go, results)
-        if lane == "trl":
-            partner = next((x for x in pair if x != "trl"), "default")
-            procs.append(ctx.Process(target=trl_lane, args=lane_args + (partner,)))
-        else:
-            procs.append(ctx.Process(target=our_lane, args=lane_args))
+    partner = "default" if "default" in lanes else next((x for x in lanes if x != "trl"), "default")
+    for seed in seeds:
+        root = Path(args.out) / f"seed{seed}"
+        base = warm_start(seed, root, args.overrides)
+        for lane in lanes:
+            lane_dir = root / lane
+            lane_dir.mkdir(parents=True, exist_ok=True)
+            link = lane_dir / "base_model"
+            if not link.exists():
+                link.symlink_to(base.resolve(), target_is_directory=True)
+            lane_args = (lane, seed, str(lane_dir), args.seconds, args.overrides, go, results, args.eval_every)
+            if lane == "trl":
+                procs.append(ctx.Process(target=trl_lane, args=lane_args + (partner, args.trl_site)))
+            else:
+                procs.append(ctx.Process(target=our_lane, args=lane_args))
     for p in procs:
         p.start()
-    time.sleep(args.settle)  # both finish start-up (imports, model load) before either clock starts
+    time.sleep(args.settle)  # every lane finishes start-up (imports, model load) before any clock starts
     go.set()
-    rows = {r["lane"]: r for r in (results.get(timeout=args.seconds * 4 + 1200) for _ in procs)}
+    rows = {}
+    for _ in procs:
+        r = results.get(timeout=args.seconds * 4 + 1200)
+        rows[(r["seed"], r["lane"])] = r
+        done = Path(args.out) / "rows"
+        done.mkdir(parents=True, exist_ok=True)
+        (done / f"{r['seed']}_{r['lane']}.json").write_text(json.dumps(r))  # kept if the run is cut short
+        print(f"seed {r['seed']} {r['lane']}: {r['curve'][0]['val']:.3f} -> {r['curve'][-1]['val']:.3f} "
+              f"in {r['curve'][-1]['clock_s']:.0f}s, {r['curve'][-1]['samples']} samples", flush=True)
     for p in procs:
         p.join(timeout=120)
-    return [dict(rows[lane], seed=seed) for lane in pair]
+    return [rows[(seed, lane)] for seed in seeds for lane in lanes]
 
 
 def link_start(seed: int, args) -> None:
@@ -265,11 +292,11 @@ def summarize(rows: list[dict], pair: list[str]) -> dict:
                      "start": [r["curve"][0]["val"] for r in mine], "end": [r["curve"][-1]["val"] for r in mine],
                      "samples_at_wall": [r["curve"][-1]["samples"] for r in mine],
                      "clock_s": [r["curve"][-1]["clock_s"] for r in mine]}
-    # Equal samples: each seed at the sample count the slower lane reached.
+    # Equal samples: each seed at the sample count the slowest lane reached.
     for seed in sorted({r["seed"] for r in rows}):
-        a, b = [next(r for r in rows if r["seed"] == seed and r["lane"] == lane) for lane in pair]
-        common = min(a["curve"][-1]["samples"], b["curve"][-1]["samples"])
-        for lane, r in zip(pair, (a, b)):
+        mine = [next(r for r in rows if r["seed"] == seed and r["lane"] == lane) for lane in pair]
+        common = min(r["curve"][-1]["samples"] for r in mine)
+        for lane, r in zip(pair, mine):
             out[lane].setdefault("gain_at_equal_samples", []).append(at_samples(r["curve"], common)
                                                                       - r["curve"][0]["val"])
         out.setdefault("equal_samples", []).append(common)
@@ -280,47 +307,69 @@ def summarize(rows: list[dict], pair: list[str]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--pair", nargs=2, required=True, help=f"two lanes from {sorted(LANES)} or trl")
+    p.add_argument("--pair", nargs=2, default=None, help=f"two lanes from {sorted(LANES)} or trl")
+    p.add_argument("--lanes", nargs="+", default=None, help="any number of lanes (instead of --pair)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--parallel-seeds", action="store_true",
+                   help="run every seed's lanes at once (one core per lane: lanes x seeds cores)")
     p.add_argument("--seconds", type=float, default=300.0, help="training clock per lane (validation excluded)")
-    p.add_argument("--settle", type=float, default=45.0, help="seconds for both lanes' start-up before the clocks")
+    p.add_argument("--eval-every", type=float, default=0.0,
+                   help="validate once per this many seconds of training clock (0: after every round)")
+    p.add_argument("--settle", type=float, default=45.0, help="seconds for every lane's start-up before the clocks")
     p.add_argument("--out", default=str(ROOT / "outputs" / "bench_learning_speed"))
     p.add_argument("--result", default="")
+    p.add_argument("--trl-site", default=TRL_SITE, help="a `pip install --target` folder holding TRL")
     p.add_argument("overrides", nargs="*", help="overrides for every lane (after each lane's own)")
     p.add_argument("--merge", nargs="+", default=[], metavar="JSON",
                    help="combine earlier results of this pair (e.g. one file per seed) into --result")
     p.add_argument("--start-from", default="",
                    help="DIR with one warm-started policy per seed as DIR/*_<seed>_t1 (sft_reliability.py --save-dir)")
     args = p.parse_args()
+    lanes = args.lanes or args.pair
+    if not lanes or (args.lanes and args.pair):
+        raise SystemExit("give --pair A B or --lanes A B C ...")
+    args.pair = lanes
     if args.merge:
         return merge(args)
-    for lane in args.pair:
+    for lane in lanes:
         if lane != "trl" and lane not in LANES:
             raise SystemExit(f"unknown lane {lane!r}; choose from {sorted(LANES)} or trl")
     t0 = time.perf_counter()
     rows = []
     for seed in args.seeds:
         link_start(seed, args)
-        rows += run_pair(seed, args.pair, args)
-        for r in rows[-2:]:
-            print(f"seed {seed} {r['lane']}: {r['curve'][0]['val']:.3f} -> {r['curve'][-1]['val']:.3f} "
-                  f"in {r['curve'][-1]['clock_s']:.0f}s, {r['curve'][-1]['samples']} samples", flush=True)
+    for group in ([args.seeds] if args.parallel_seeds else [[s] for s in args.seeds]):
+        rows += run_group(group, lanes, args)
     import torch
     import transformers
 
-    result = {"benchmark": "learning_speed", "pair": args.pair, "command": " ".join(["python"] + sys.argv),
-              "wall_s": time.perf_counter() - t0, "seconds_per_lane": args.seconds,
-              "method": "per seed: one SFT warm-start; both lanes side by side (two processes, one thread each) "
-                        "from it, each until its training clock (validation paused) reaches seconds_per_lane; "
-                        "greedy val accuracy on the held-out split after every round",
+    result = {"benchmark": "learning_speed", "pair": lanes, "command": " ".join(["python"] + sys.argv),
+              "wall_s": time.perf_counter() - t0, "seconds_per_lane": args.seconds, "eval_every_s": args.eval_every,
+              "method": "per seed: one SFT warm-start; the lanes side by side (one process, one thread each; "
+                        + ("every seed at once" if args.parallel_seeds else "one seed at a time")
+                        + ") from it, each until its training clock (validation paused) reaches seconds_per_lane; "
+                        "greedy val accuracy on the held-out split "
+                        + (f"once per {args.eval_every:g} s of training clock and at the end" if args.eval_every
+                           else "after every round"),
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                          "torch": torch.__version__, "transformers": transformers.__version__},
-              "lanes": {lane: LANES.get(lane, "TRL GRPOTrainer") for lane in args.pair}, "overrides": args.overrides,
-              "summary": summarize(rows, args.pair), "runs": rows}
-    out = Path(args.result or ROOT / "benchmarks" / "results" / f"learning_speed_{args.pair[0]}_vs_{args.pair[1]}.json")
+                          "cpu": cpu_name(), "torch": torch.__version__, "transformers": transformers.__version__},
+              "lanes": {lane: LANES.get(lane, "TRL GRPOTrainer") for lane in lanes}, "overrides": args.overrides,
+              "summary": summarize(rows, lanes), "runs": rows}
+    out = Path(args.result or ROOT / "benchmarks" / "results" / f"learning_speed_{'_vs_'.join(lanes)}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result["summary"], indent=2))
+    print(json.dumps({k: {m: v[m] for m in ("mean_gain_at_wall", "gains", "mean_gain_over_time", "samples_at_wall")}
+                      for k, v in result["summary"].items() if k in lanes}, indent=1))
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -221,10 +221,12 @@ def run_staged(cfg, rounds: int, device: torch.device, outs: list[Path]) -> dict
         parts["evaluate_total"] = time.perf_counter() - t
         parts["evaluate_engine_build"] = val["timing_s/testing_engine_build"]
         parts["evaluate_generate"] = val["timing_s/testing"] - val["timing_s/testing_engine_build"]
-        if checkpoint:
-            shutil.rmtree(checkpoint, ignore_errors=True)  # the Flyte store keeps it; this disk cannot
+        rec.add(parts, checkpoint_bytes=dir_bytes(Path(res.checkpoint)))
+        if checkpoint:  # the pod's copy of the input goes with the pod; here it is deleted, outside the round
+            t = time.perf_counter()
+            shutil.rmtree(checkpoint, ignore_errors=True)
+            rec.records[-1]["benchmark_delete_s"] = time.perf_counter() - t
         checkpoint = res.checkpoint
-        rec.add(parts, checkpoint_bytes=dir_bytes(Path(checkpoint)))
         free_device()
     return {"per_round": rec.records, "summary": summarize(rec.records, STAGED_COMPUTE)}
 

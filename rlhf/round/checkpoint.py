@@ -273,7 +273,7 @@ def _engine_files(engine, save_dir: Path) -> list:
 
     engine.checkpoint_engine = capture_engine()
     engine.save_checkpoint(str(save_dir), tag=ENGINE_TAG, save_latest=False)
-    return [TensorFile(path=p, kind="torch", tree=sd) for p, sd in engine.checkpoint_engine.captured]
+    return [TensorFile(path=p, kind="state", tree=sd) for p, sd in engine.checkpoint_engine.captured]
 
 
 def _write_small_files(tmp: Path, trainer, tokenizer, cfg, state, state_dicts: dict, extra: dict[str, Path]
@@ -374,7 +374,8 @@ def restore(trainer, path: Path, state=None):
     for name, engine in (("actor", trainer.actor), ("critic", trainer.critic)):
         if engine is None:
             continue
-        engine.checkpoint_engine = capture_engine()  # reads weights-only
+        device = next(engine.module.parameters()).device
+        engine.checkpoint_engine = capture_engine(device)  # reads weights-only, onto the engine's device
         # The module already holds this checkpoint's weights (`build_trainer` read its safetensors).
         engine.load_checkpoint(str(path / ENGINE_DIR / name), tag=ENGINE_TAG, load_lr_scheduler_states=False,
                                custom_load_fn=keep_module_weights)

@@ -3,7 +3,7 @@
 A save (`rlhf.round.checkpoint.save`) gathers references to the state it needs (model weights,
 DeepSpeed's optimizer state) and hands them to a `CheckpointWriter`, whose thread copies
 them off the device into host buffers kept between saves and then writes, fsyncs and
-hashes each file. The trainer runs on meanwhile: the next round's rollout, evaluation and
+hashes each file (`rlhf.round.tensor_files`: in parallel pieces, hashed as written). The trainer runs on meanwhile: the next round's rollout, evaluation and
 the forward and backward passes of its update read those tensors but do not change them;
 the first optimizer step does, so a step pre-hook makes it wait until the copy is done.
 Each rank writes its own files and then a marker holding their digests; rank 0's writer waits for every rank's marker, writes the manifest (every
@@ -12,8 +12,9 @@ that leaves only an unsealed temporary directory.
 
 DeepSpeed writes its engine state through `engine.checkpoint_engine`; `CaptureEngine`
 collects those state dicts instead of writing them, without the module weights (the
-checkpoint's safetensors already hold them, so no weight is stored twice), and reads
-files back weights-only (`rlhf.trainer.safe_checkpoint`).
+checkpoint's safetensors already hold them, so no weight is stored twice); each is written
+as a skeleton with its tensors in a safetensors file beside it, and read back weights-only
+(files of earlier versions, plain `torch.save`, through `rlhf.trainer.safe_checkpoint`).
 """
 
 from __future__ import annotations
@@ -31,46 +32,9 @@ import torch
 
 log = logging.getLogger("rlhf.round.checkpoint")
 
-CHUNK = 16 << 20  # bytes read per hash update
+from rlhf.round.tensor_files import file_digest, hash_name  # noqa: F401  (the manifest's digests)
+
 MARKER_WAIT_S = 3600.0  # rank 0 gives up on a rank whose files never appear
-
-
-# ---------------------------------------------------------------------------------
-# Digests
-# ---------------------------------------------------------------------------------
-
-
-def hash_name() -> str:
-    """xxh3_128 (about 14 GB/s on one core) where xxhash is installed, else blake2b."""
-    try:
-        import xxhash  # noqa: F401
-
-        return "xxh3_128"
-    except ImportError:
-        return "blake2b"
-
-
-def _hasher(name: str):
-    if name == "xxh3_128":
-        import xxhash
-
-        return xxhash.xxh3_128()
-    if name == "blake2b":
-        import hashlib
-
-        return hashlib.blake2b(digest_size=16)
-    raise ValueError(f"unknown checkpoint digest '{name}' (this version knows xxh3_128 and blake2b)")
-
-
-def file_digest(path: Path, name: str) -> str:
-    """The hex digest of a file's bytes, read in chunks."""
-    h = _hasher(name)
-    buf = bytearray(CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------
@@ -78,11 +42,14 @@ def file_digest(path: Path, name: str) -> str:
 # ---------------------------------------------------------------------------------
 
 
-def capture_engine():
+def capture_engine(device: Optional[torch.device] = None):
     """A DeepSpeed checkpoint engine that records `(path, state_dict)` in `.captured` on save
-    (the module weights left out) and loads weights-only."""
+    (the module weights left out) and loads weights-only: a state `save_state` wrote with its
+    tensors on `device` where it has room (`load_device`), a plain `torch.save` file as
+    `map_location` says."""
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
+    from rlhf.round.tensor_files import data_path, load_device, load_state
     from rlhf.trainer.safe_checkpoint import load_weights_only
 
     class CaptureEngine(TorchCheckpointEngine):
@@ -96,6 +63,8 @@ def capture_engine():
             self.captured.append((Path(path), state_dict))
 
         def load(self, path: str, map_location=None):
+            if data_path(Path(path)).is_file():
+                return load_state(Path(path), load_device(Path(path), device or torch.device("cpu")))
             return load_weights_only(path, map_location=map_location)
 
     return CaptureEngine()
@@ -144,17 +113,6 @@ def _shapes(tree):
     return tree
 
 
-def to_host(tree):
-    """`tree` with every tensor on the host (fresh copies of device tensors, host ones as they are)."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().cpu()
-    if isinstance(tree, dict):
-        return {k: to_host(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(to_host(v) for v in tree)
-    return tree
-
-
 # ---------------------------------------------------------------------------------
 # One rank's part of a save
 # ---------------------------------------------------------------------------------
@@ -163,7 +121,7 @@ def to_host(tree):
 @dataclass
 class TensorFile:
     path: Path  # where the file goes, inside the temporary checkpoint directory
-    kind: str  # "torch" (torch.save) | "safetensors"
+    kind: str  # "state" (a nested state: skeleton and tensors, `save_state`) | "safetensors"
     tree: object  # the state to write: tensors anywhere in it, on any device
 
 
@@ -182,16 +140,18 @@ class SaveJob:
 
     def run(self, pool: Optional[HostPool], copied: threading.Event) -> None:
         """Copy the state into `pool` (then set `copied`) and write it; without a pool, write
-        each file straight from the state, copied to the host one file at a time (the caller
-        waits, so nothing changes it meanwhile). Both give the same bytes."""
+        each file straight from the state on its device (the caller waits, so nothing changes
+        it meanwhile). Both give the same bytes."""
         try:
-            trees = self._copy(pool) if pool is not None else [None] * len(self.files)
+            if pool is None and self.ready is not None:
+                self.ready.synchronize()  # the copy streams read what the training stream wrote
+            trees = self._copy(pool) if pool is not None else [f.tree for f in self.files]
             copied.set()
             digests = {}
-            for i, f in enumerate(self.files):
-                tree = trees[i] if pool is not None else to_host(f.tree)
-                digests[str(f.path.relative_to(self.tmp))] = _write(f.path, f.kind, tree, self.digest)
-                trees[i] = tree = None
+            for written in _write_all(self.files, trees, self.digest):
+                for path, digest in written.items():
+                    digests[str(path.relative_to(self.tmp))] = digest
+            trees = None
             self.files = []  # the references to the live state go now
             _write_marker(self.tmp, self.rank, "done", json.dumps(digests))
             if self.seal is not None:
@@ -238,20 +198,37 @@ class SaveJob:
         return out
 
 
-def _write(path: Path, kind: str, tree, digest: str) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if kind == "safetensors":
-        from safetensors.torch import save_file
+def _write_all(files: list[TensorFile], trees: list, digest: str) -> list[dict[Path, str]]:
+    """Write every file at once, one thread each (their pieces share the I/O pool, so
+    several files fill it: on tmpfs, threads writing one file contend for it)."""
+    out: list = [None] * len(files)
+    errors: list[BaseException] = []
 
-        save_file(tree, str(path), metadata={"format": "pt"})
-    else:
-        torch.save(tree, str(path))
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the seal says the bytes are durable, not only in the page cache
-    finally:
-        os.close(fd)
-    return file_digest(path, digest)  # read back from the page cache: what the manifest promises
+    def one(i: int) -> None:
+        try:
+            out[i] = _write(files[i].path, files[i].kind, trees[i], digest)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,), name="checkpoint-file", daemon=True) for i in range(len(files))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+def _write(path: Path, kind: str, tree, digest: str) -> dict[Path, str]:
+    """Write one `TensorFile`'s state, fsynced; the digest of each file written."""
+    from rlhf.round.tensor_files import save_state, write_safetensors
+
+    if kind == "safetensors":
+        return {path: write_safetensors(path, tree, {"format": "pt"}, digest)}
+    if kind == "state":
+        return save_state(path, tree, digest)
+    raise ValueError(f"unknown tensor file kind '{kind}'")
 
 
 def _marker(tmp: Path, rank: int, what: str) -> Path:
@@ -367,8 +344,15 @@ class CheckpointWriter:
 
 def run_file_jobs(files: list[TensorFile]) -> None:
     """Write `files` now, in this thread (no markers, no seal)."""
+    _sync_device()
     for f in files:
-        _write(f.path, f.kind, to_host(f.tree), hash_name())
+        _write(f.path, f.kind, f.tree, hash_name())
+
+
+def _sync_device() -> None:
+    """Wait for the calling thread's CUDA work, which the copy streams do not follow."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def run_inline(job: SaveJob) -> None:

@@ -3,8 +3,8 @@
 A save (`rlhf.round.checkpoint.save`) gathers references to the state it needs (model weights,
 DeepSpeed's optimizer state) and hands them to a `CheckpointWriter`, whose thread copies
 them off the device into host buffers kept between saves and then writes, fsyncs and
-hashes each file (`rlhf.round.tensor_files`: in parallel pieces, hashed as written). The trainer runs on meanwhile: the next round's rollout, evaluation and
-the forward and backward passes of its update read those tensors but do not change them;
+hashes each file (`rlhf.round.tensor_files`: in parallel pieces, hashed as written).
+The trainer runs on meanwhile: the next round's rollout, evaluation and the forward and backward passes of its update read those tensors but do not change them;
 the first optimizer step does, so a step pre-hook makes it wait until the copy is done.
 Each rank writes its own files and then a marker holding their digests; rank 0's writer waits for every rank's marker, writes the manifest (every
 file's size and digest) and renames the directory into place, so a crash anywhere before
@@ -201,23 +201,12 @@ class SaveJob:
 def _write_all(files: list[TensorFile], trees: list, digest: str) -> list[dict[Path, str]]:
     """Write every file at once, one thread each (their pieces share the I/O pool, so
     several files fill it: on tmpfs, threads writing one file contend for it)."""
-    out: list = [None] * len(files)
-    errors: list[BaseException] = []
+    from concurrent.futures import ThreadPoolExecutor
 
-    def one(i: int) -> None:
-        try:
-            out[i] = _write(files[i].path, files[i].kind, trees[i], digest)
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=one, args=(i,), name="checkpoint-file", daemon=True) for i in range(len(files))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return out
+    if not files:
+        return []
+    with ThreadPoolExecutor(max_workers=len(files), thread_name_prefix="checkpoint-file") as ex:
+        return list(ex.map(lambda i: _write(files[i].path, files[i].kind, trees[i], digest), range(len(files))))
 
 
 def _write(path: Path, kind: str, tree, digest: str) -> dict[Path, str]:

@@ -133,7 +133,7 @@ def file_digest(path: Path, name: str) -> str:
                 _pread_into(fd, view, off)
                 return _piece_digest(name, view)
 
-        return _combine(name, _run_all(piece, range(0, max(size, 1), CHUNK)) if size else [])
+        return _combine(name, _run_all(piece, range(0, size, CHUNK)))
     finally:
         os.close(fd)
 

@@ -51,6 +51,7 @@ LANES: dict[str, list[str]] = {
     "grpo_lr1e-3": ["algorithm.adv_estimator=grpo", "actor.lr=1e-3"],
     # one pass over each batch (as TRL's default): half the update's cost per sample
     "e1": ["actor.ppo_epochs=1", "critic.ppo_epochs=1"],
+    "e2": ["actor.ppo_epochs=2", "critic.ppo_epochs=2"],  # two passes over each batch
     "e1_lr4e-4": ["actor.ppo_epochs=1", "critic.ppo_epochs=1", "actor.lr=4e-4"],
     "rloo_e1": ["algorithm.adv_estimator=rloo", "actor.ppo_epochs=1"],
     "grpo_klloss_e1": ["algorithm.adv_estimator=grpo", "actor.use_kl_loss=true", "algorithm.use_kl_in_reward=false",

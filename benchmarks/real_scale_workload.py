@@ -12,7 +12,8 @@ import gpu_common as G
 
 WORKLOAD = {  # the 1.5B round measured on one H200
     "data.train_batch_size": 64, "rollout.n": 4, "data.max_prompt_length": 512, "data.max_response_length": 256,
-    "actor.ppo_mini_batch_size": 64, "actor.ppo_micro_batch_size_per_gpu": 4,
+    "actor.ppo_mini_batch_size": 64, "actor.ppo_micro_batch_size_per_gpu": 4, "actor.ppo_epochs": 2,
+    "critic.ppo_epochs": 2,
     "critic.ppo_micro_batch_size_per_gpu": 4, "actor.use_dynamic_bsz": True, "actor.ppo_max_token_len_per_gpu": 16384,
     "data.use_sequence_packing": True, "rollout.name": "hf_fast", "rollout.generate_batch_size": 256,
     "algorithm.adv_estimator": "gae", "model.dtype": "bfloat16", "deepspeed.bf16": True, "deepspeed.zero_stage": 0,

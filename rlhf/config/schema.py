@@ -110,7 +110,7 @@ class ModelConfig:
 class ActorConfig:
     lr: float = 2e-4  # actor learning rate (AdamW)
     weight_decay: float = 0.0  # actor AdamW weight decay
-    ppo_epochs: int = 2  # passes over each step's batch
+    ppo_epochs: int = 1  # passes over each step's batch (verl's default)
     ppo_mini_batch_size: int = 16  # in prompts (times rollout.n responses), verl semantics
     ppo_micro_batch_size_per_gpu: int = 64  # in responses
     use_dynamic_bsz: bool = False  # micro-batches by token budget instead of a fixed row count
@@ -133,7 +133,7 @@ class ActorConfig:
 class CriticConfig:
     lr: float = 1e-3  # critic learning rate (AdamW)
     weight_decay: float = 0.0  # critic AdamW weight decay
-    ppo_epochs: int = 2  # passes over each step's batch
+    ppo_epochs: int = 1  # passes over each step's batch (verl's default)
     cliprange_value: float = 0.5  # value clipping range around the old values
     grad_clip: float = 1.0  # max gradient norm
     loss_agg_mode: str = "token-mean"  # aggregation of the value loss

@@ -8,7 +8,8 @@ validation and checkpoints from here, so the same config builds the same objects
   output directory);
 - trainer: `build_trainer` (models from a checkpoint's safetensors or the base policy) and
   `load_trainer` (that, plus the checkpoint's optimizer state and round state);
-  `verify_checkpoint` checks a checkpoint's files before it is loaded;
+  `verify_checkpoint` checks a checkpoint's files before it is loaded (`start_verify` while
+  the trainer is being built);
 - rollout engine: `make_engine` (on the trainer's module or a policy directory) and
   `policy_engine` (a saved policy with its own tokenizer);
 - tracking: `run_sink` (a driver that owns its run) and `open_tracking` / `tracking_sink` /
@@ -38,6 +39,7 @@ segment saves after the decision inside the segment and after the last update at
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
@@ -134,16 +136,49 @@ def verify_checkpoint(path: Path, rank: int) -> None:
         raise ckpt.corrupt(path, reason)
 
 
+def start_verify(path: Path, rank: int) -> Callable[[], None]:
+    """Start `verify_checkpoint` of `path`: rank 0 hashes its files in a background thread
+    while the caller goes on (building the trainer reads other bytes meanwhile). The
+    function returned waits for it, tells the other ranks and raises as `verify_checkpoint` does."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="verify") if rank == 0 else None
+    reason = pool.submit(ckpt.why_incomplete, path) if pool else None
+
+    def wait() -> None:
+        nonlocal pool
+        found = None
+        if pool is not None:
+            found = reason.result()
+            pool.shutdown()
+            pool = None
+        found = D.broadcast_object(found)
+        if found:
+            raise ckpt.corrupt(path, found)
+
+    return wait
+
+
 def load_trainer(cfg: PPOConfig, sizes: Sizes, base_dir: str, device: torch.device, resume: Optional[Path],
-                 state: Optional[RoundState], timing: Optional[dict[str, float]] = None):
+                 state: Optional[RoundState], timing: Optional[dict[str, float]] = None,
+                 verified: Optional[Callable[[], None]] = None):
     """(trainer, state) at the start of a round: the trainer built from checkpoint `resume`
     with its optimizer state restored, or from the base policy, fresh. The state is `state`,
     else the one saved in `resume`, else the initial one; it is applied to the trainer (KL
-    coefficient, skip counter). `timing` gets `timing_s/build_trainer` and `timing_s/restore`."""
+    coefficient, skip counter). `verified` (from `start_verify`) is waited for between the
+    build and the restore. `timing` gets `timing_s/build_trainer`, `timing_s/verify_checkpoint`
+    (the wait) and `timing_s/restore`."""
     timing = {} if timing is None else timing
     t = time.perf_counter()
-    trainer = build_trainer(cfg, sizes, base_dir, device, resume)
+    try:
+        trainer = build_trainer(cfg, sizes, base_dir, device, resume)
+    except Exception:
+        if verified is not None:
+            verified()  # a changed file explains a failed build better than its traceback
+        raise
     timing["timing_s/build_trainer"] = time.perf_counter() - t
+    t = time.perf_counter()
+    if verified is not None:
+        verified()
+    timing["timing_s/verify_checkpoint"] = time.perf_counter() - t
     t = time.perf_counter()
     if resume:
         state = ckpt.restore(trainer, resume, state)

@@ -142,8 +142,9 @@ def update_from_checkpoint(cfg: PPOConfig, base_model_dir: str, checkpoint_dir: 
                            scored: pd.DataFrame, state: RoundState, out_dir: str, sink=None) -> UpdateResult:
     """`steps_per_round` PPO steps over the round's scored rollouts, starting from checkpoint
     `checkpoint_dir` (weights, DeepSpeed optimizer state; its files checked against their
-    digests first) or, for the first round, from the base policy; saves the new checkpoint
-    atomically under `out_dir` and returns it with the new state and the step metrics.
+    digests while the trainer is built, before the state is restored) or, for the first
+    round, from the base policy; saves the new checkpoint atomically under `out_dir` and
+    returns it with the new state and the step metrics.
     Profiler traces of the round (`trainer.profile_steps`) go inside the new checkpoint
     (`profile/`). Every round writes a checkpoint (the next round starts from it); of those
     under `out_dir`, the newest stays and, beyond it, the newest `trainer.max_ckpt_to_keep`
@@ -155,12 +156,9 @@ def update_from_checkpoint(cfg: PPOConfig, base_model_dir: str, checkpoint_dir: 
     proc = S.start_process(cfg, out_dir)
     timing: dict[str, float] = {}
     resume = Path(checkpoint_dir) if checkpoint_dir else None
-    t = time.perf_counter()
-    if resume:
-        S.verify_checkpoint(resume, proc.rank)
-    timing["timing_s/verify_checkpoint"] = time.perf_counter() - t
+    verified = S.start_verify(resume, proc.rank) if resume else None  # hashed while the trainer is built
     tokenizer = S.load_tokenizer(cfg, base_model_dir)
-    trainer, _ = S.load_trainer(cfg, proc.sizes, base_model_dir, proc.device, resume, state, timing)
+    trainer, _ = S.load_trainer(cfg, proc.sizes, base_model_dir, proc.device, resume, state, timing, verified)
     traces = proc.out / f".profile_{ckpt.round_dir_name(state.round + 1)}"
     steps = _update(cfg, trainer, tokenizer, stages.shard_for_update(scored, cfg, proc.rank, proc.world), state,
                     proc, traces, sink if proc.rank == 0 else None, timing)

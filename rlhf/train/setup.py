@@ -140,19 +140,16 @@ def start_verify(path: Path, rank: int) -> Callable[[], None]:
     """Start `verify_checkpoint` of `path`: rank 0 hashes its files in a background thread
     while the caller goes on (building the trainer reads other bytes meanwhile). The
     function returned waits for it, tells the other ranks and raises as `verify_checkpoint` does."""
-    pool = ThreadPoolExecutor(1, thread_name_prefix="verify") if rank == 0 else None
-    reason = pool.submit(ckpt.why_incomplete, path) if pool else None
+    pending = None
+    if rank == 0:
+        pool = ThreadPoolExecutor(1, thread_name_prefix="verify")
+        pending = pool.submit(ckpt.why_incomplete, path)
+        pool.shutdown(wait=False)  # its thread ends after this one check
 
     def wait() -> None:
-        nonlocal pool
-        found = None
-        if pool is not None:
-            found = reason.result()
-            pool.shutdown()
-            pool = None
-        found = D.broadcast_object(found)
-        if found:
-            raise ckpt.corrupt(path, found)
+        reason = D.broadcast_object(pending.result() if pending else None)
+        if reason:
+            raise ckpt.corrupt(path, reason)
 
     return wait
 

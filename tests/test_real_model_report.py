@@ -1,0 +1,70 @@
+"""benchmarks/real_model*: the TRL lanes' schedule against the PPO lane's, and the report
+across seeds (mean, standard error, fixed times, PPO's lead paired by seed)."""
+
+import json
+import math
+
+import pytest
+
+from benchmarks.real_model_common import EXAMPLE_CFG, ppo_schedule
+from benchmarks.real_model_report import aggregate, first_at_or_after, mean_se, write_summary
+from benchmarks.real_model_trl import SCHEDULE_SETTINGS, SETTINGS, settings
+from rlhf.config import load_config
+
+
+def test_the_second_trl_lane_has_the_ppo_lanes_samples_and_updates_per_generation():
+    sched = ppo_schedule(load_config(str(EXAMPLE_CFG)))
+    assert (sched["samples"], sched["updates"], sched["update_samples"]) == (256, 8, 64)
+    same = settings("trl_ppo_schedule", sched, 1e-5, 128, 0, on_cpu=False, smoke=False)
+    assert same["per_device_train_batch_size"] * same["steps_per_generation"] == 256
+    assert same["steps_per_generation"] * same["num_iterations"] == 8 and same["num_generations"] == 4
+    users = settings("trl", sched, 1e-5, 128, 0, on_cpu=False, smoke=False)
+    assert (users["num_generations"], users["per_device_train_batch_size"]) == (8, 64)
+    assert "steps_per_generation" not in users and "num_iterations" not in users  # TRL's defaults
+    assert users["bf16"] and "model_init_kwargs" not in users  # float32 weights under bf16 autocast
+    assert set(users) | set(same) <= set(SETTINGS) | set(SCHEDULE_SETTINGS), "every setting has its reason"
+
+
+def _run(seed: int, ppo: list[float], trl: list[float], heldout: dict[str, float]) -> dict:
+    times = [0.0, 49.0, 92.0]
+    curve = lambda xs: [{"train_s": t, "strict": x, "round": i * 4} for i, (t, x) in enumerate(zip(times, xs))]
+    return {"seed": seed, "task": "word_problems", "command": f"seed {seed}",
+            "sizes": {"budget": 90, "eval_every": 45, "n_val": 200},
+            "lanes": {"ppo": {"curve": curve(ppo)}, "trl": {"curve": curve(trl)}},
+            "heldout": {"policies": {k: {"own": {"strict": v}, "other": {"strict": v / 2}}
+                                     for k, v in heldout.items()}}}
+
+
+RUNS = [_run(0, [0.2, 0.4, 0.5], [0.2, 0.3, 0.4], {"ppo": 0.5, "trl": 0.4}),
+        _run(1, [0.2, 0.5, 0.6], [0.2, 0.3, 0.4], {"ppo": 0.6, "trl": 0.4}),
+        _run(2, [0.2, 0.5, 0.7], [0.2, 0.4, 0.5], {"ppo": 0.7, "trl": 0.5})]
+
+
+def test_mean_and_standard_error_across_seeds_at_fixed_times_and_the_paired_lead():
+    assert mean_se([]) == {"mean": None, "se": None, "n": 0} and mean_se([0.3])["se"] is None
+    assert first_at_or_after(RUNS[0]["lanes"]["ppo"]["curve"], 45)["train_s"] == 49.0
+    agg = aggregate(RUNS)
+    ppo = agg["lanes"]["ppo"]
+    assert agg["times"] == [0, 45, 90]
+    assert ppo["end"]["mean"] == pytest.approx(0.6) and ppo["end"]["se"] == pytest.approx(0.1 / math.sqrt(3))
+    assert ppo["at_train_s"]["45"]["mean"] == pytest.approx(1.4 / 3) and ppo["at_train_s"]["45"]["train_s"] == 49
+    assert ppo["end_rounds"]["mean"] == 8 and ppo["complete"] == [0, 1, 2]
+    lead = agg["ppo_lead"]["trl"]["end"]  # per seed 0.1, 0.2, 0.2
+    assert lead["mean"] == pytest.approx(0.5 / 3) and lead["se"] == pytest.approx(math.sqrt(1 / 300) / math.sqrt(3))
+    assert lead["in_se"] == pytest.approx(lead["mean"] / lead["se"])
+    assert agg["ppo_lead"]["trl"]["heldout_other"]["mean"] == pytest.approx(0.5 / 6)
+
+
+def test_the_summary_files(tmp_path):
+    dirs = []
+    for r in RUNS:
+        d = tmp_path / f"seed{r['seed']}"
+        d.mkdir()
+        (d / "results.json").write_text(json.dumps(r))
+        dirs.append(str(d))
+    write_summary(dirs, tmp_path / "summary")
+    saved = json.loads((tmp_path / "summary" / "summary.json").read_text())
+    assert saved["seeds"] == [0, 1, 2] and saved["runs"] == dirs
+    table = (tmp_path / "summary" / "summary.md").read_text()
+    assert "| ppo | 0.467 +- 0.033 | 0.600 +- 0.058 |" in table and "| trl | 0.167 +- 0.033 | 5.0 |" in table
+    assert (tmp_path / "summary" / "summary.png").stat().st_size > 10_000

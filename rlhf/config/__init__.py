@@ -13,7 +13,9 @@ that turns batch settings into per-GPU sizes and checks that they divide.
 - `keys`: the unknown-key check of configs decoded outside `load_config`.
 - `verl_keys`: verl's own key names mapped onto this tree.
 - `load`: `load_config`, `from_dict`, `replace`, `save_config`, `parse_override`.
-- `checks`: `validate`, `correction_settings` and the rollout-correction presets.
+- `checks`: `validate` and `GROUP_ESTIMATORS`.
+- `correction`: verl's rollout-correction settings: parsing of its criteria and threshold
+  strings, its presets, `correction_settings`.
 - `ranges`: the valid range of every numeric key (checked by `load` beside `checks`).
 - `sizes`: `derive_sizes`, `Sizes`, `rounds_for_epochs`, `resolve_epochs`.
 - `redact`: credentials kept out of what a run stores and prints.

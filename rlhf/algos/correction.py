@@ -17,6 +17,8 @@ sampling). Names, semantics and metrics are verl 0.9.1's `algorithm.rollout_corr
 - Rejection (`rollout_rs`, `rlhf.algos.rejection`): tokens or responses past a divergence
   threshold leave the response mask, which then serves the advantage estimator, the critic
   and the actor alike (verl applies it before `compute_advantage`).
+- Bypass mode (`bypass_policy_loss`): the rollout log-probs are the PPO anchor, and the
+  correction is computed inside the loss against the policy being trained.
 
 Pure tensors in, `(value, metrics)` out; metrics are floats under `rollout_corr/`, as
 verl logs them.
@@ -30,10 +32,11 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from rlhf.algos.losses import policy_loss, reinforce_loss
 from rlhf.algos.masked import _zero_masked, masked_mean
 from rlhf.algos.mismatch import offpolicy_metrics
 from rlhf.algos.rejection import SAFETY_BOUND, rejection_mask
-from rlhf.config.correction import IS_LEVELS, Threshold, parse_is_threshold
+from rlhf.config.correction_spec import BYPASS_LOSS_TYPES, IS_LEVELS, Threshold, parse_is_threshold
 
 Tensor = torch.Tensor
 BatchMean = Callable[[Tensor, Tensor], Tensor]  # (x, mask) -> mean of x over mask, 0-dim
@@ -150,3 +153,45 @@ def compute_rollout_correction(
         metrics.update(m)
     metrics.update(offpolicy_metrics(old_log_prob, rollout_log_prob, response_mask))
     return Correction(weights=weights, mask=mask), {f"rollout_corr/{k}": v for k, v in metrics.items()}
+
+
+def bypass_policy_loss(
+    logprob: Tensor,
+    rollout_logprob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    *,
+    loss_type: str = "ppo_clip",
+    rollout_is: Optional[str] = None,
+    rollout_is_threshold: Optional[Union[str, float]] = 2.0,
+    rollout_is_batch_normalize: bool = False,
+    rollout_rs: Optional[str] = None,
+    rollout_rs_threshold: Optional[Union[str, float]] = None,
+) -> tuple[Tensor, dict]:
+    """verl's bypass mode (`compute_policy_loss_bypass_mode`): the PPO anchor is the rollout
+    policy itself, and rollout correction is computed here against the *current* policy
+    (IS weights pi_theta / pi_rollout, rejection by their divergence), so it moves as the
+    policy does during the update.
+
+    logprob (grad flows), rollout_logprob, advantages, response_mask: (B, T).
+    `loss_type` "ppo_clip": `policy_loss` with ratio pi_theta / pi_rollout over the kept
+    tokens, IS weights unused (the ratio is the correction; they are logged only);
+    "reinforce": `reinforce_loss` with the IS weights. Returns (loss, metrics): the loss's
+    own metrics unprefixed, the correction's under `rollout_corr/`.
+    """
+    if loss_type not in BYPASS_LOSS_TYPES:
+        raise ValueError(f"rollout_correction.loss_type must be one of {', '.join(BYPASS_LOSS_TYPES)}, "
+                         f"got {loss_type!r}")
+    corr, corr_metrics = compute_rollout_correction(
+        logprob.detach(), rollout_logprob, response_mask, rollout_is, rollout_is_threshold,
+        rollout_is_batch_normalize, rollout_rs, rollout_rs_threshold)
+    if loss_type == "reinforce":
+        loss, metrics = reinforce_loss(logprob, rollout_logprob, advantages, corr.mask, loss_agg_mode, corr.weights)
+    else:
+        loss, metrics = policy_loss(logprob, rollout_logprob, advantages, corr.mask, clip_ratio_low,
+                                    clip_ratio_high, clip_ratio_c, loss_agg_mode)
+    return loss, {**metrics, **corr_metrics}

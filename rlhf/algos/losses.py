@@ -1,6 +1,7 @@
 """PPO losses: `agg_loss` (verl's `loss_agg_mode`s), the clipped policy surrogate
-`policy_loss`, the clipped value loss `value_loss`, and verl's bypass-mode policy loss
-`bypass_policy_loss` (rollout correction against the current policy, inside the loss).
+`policy_loss`, the clipped value loss `value_loss`, and `reinforce_loss` (verl's REINFORCE
+with IS weights, the policy loss of rollout correction's bypass mode with loss_type
+"reinforce"; `rlhf.algos.correction.bypass_policy_loss` chooses between the two).
 
 Loss metrics are detached 0-dim tensors (no device sync per micro-batch); call `float()`
 when logging.
@@ -8,13 +9,11 @@ when logging.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
-from rlhf.algos.correction import compute_rollout_correction
 from rlhf.algos.masked import _zero_masked, masked_mean
-from rlhf.config.correction import BYPASS_LOSS_TYPES
 
 Tensor = torch.Tensor
 
@@ -175,45 +174,3 @@ def reinforce_loss(logprob: Tensor, rollout_logprob: Tensor, advantages: Tensor,
     with torch.no_grad():
         metrics = {"ppo_kl": masked_mean(rollout_logprob - logprob, valid)}
     return loss, metrics
-
-
-def bypass_policy_loss(
-    logprob: Tensor,
-    rollout_logprob: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    clip_ratio_c: float = 3.0,
-    loss_agg_mode: str = "token-mean",
-    *,
-    loss_type: str = "ppo_clip",
-    rollout_is: Optional[str] = None,
-    rollout_is_threshold: Optional[Union[str, float]] = 2.0,
-    rollout_is_batch_normalize: bool = False,
-    rollout_rs: Optional[str] = None,
-    rollout_rs_threshold: Optional[Union[str, float]] = None,
-) -> tuple[Tensor, dict]:
-    """verl's bypass mode (`compute_policy_loss_bypass_mode`): the PPO anchor is the rollout
-    policy itself, and rollout correction is computed here against the *current* policy
-    (IS weights pi_theta / pi_rollout, rejection by their divergence), so it moves as the
-    policy does during the update.
-
-    logprob (grad flows), rollout_logprob, advantages, response_mask: (B, T).
-    `loss_type` "ppo_clip": `policy_loss` with ratio pi_theta / pi_rollout over the kept
-    tokens, IS weights unused (the ratio is the correction; they are logged only);
-    "reinforce": `reinforce_loss` with the IS weights. Returns (loss, metrics): the loss's
-    own metrics unprefixed, the correction's under `rollout_corr/`.
-    """
-    if loss_type not in BYPASS_LOSS_TYPES:
-        raise ValueError(f"rollout_correction.loss_type must be one of {', '.join(BYPASS_LOSS_TYPES)}, "
-                         f"got {loss_type!r}")
-    corr, corr_metrics = compute_rollout_correction(
-        logprob.detach(), rollout_logprob, response_mask, rollout_is, rollout_is_threshold,
-        rollout_is_batch_normalize, rollout_rs, rollout_rs_threshold)
-    if loss_type == "reinforce":
-        loss, metrics = reinforce_loss(logprob, rollout_logprob, advantages, corr.mask, loss_agg_mode, corr.weights)
-    else:
-        loss, metrics = policy_loss(logprob, rollout_logprob, advantages, corr.mask, clip_ratio_low,
-                                    clip_ratio_high, clip_ratio_c, loss_agg_mode)
-    return loss, {**metrics, **corr_metrics}

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from rlhf.algos.masked import _zero_masked
-from rlhf.config.correction import Threshold, parse_criteria, parse_rs_thresholds
+from rlhf.config.correction_spec import Threshold, parse_criteria, parse_rs_thresholds
 
 Tensor = torch.Tensor
 

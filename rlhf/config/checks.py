@@ -1,10 +1,8 @@
 """Checks of a built config beyond the types of its values.
 
-`validate` (run by every load, beside the range check of `rlhf.config.ranges`) refuses
-values no run can use: unknown choices and loggers, non-positive sizes, conflicting
-rollout-correction keys and URIs that carry a password. `correction_settings` (from
-`rlhf.config.correction`) is the rollout correction in effect, a named preset
-(`ROLLOUT_CORRECTION_PRESETS`) applied.
+`validate` (run by every load, beside the range check of `rlhf.config.ranges` and the
+rollout-correction check of `rlhf.config.correction`) refuses values no run can use:
+unknown choices and loggers, non-positive sizes and URIs that carry a password.
 `GROUP_ESTIMATORS` are the advantage estimators that need a group of responses per prompt.
 """
 
@@ -12,11 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlhf.config.correction import ROLLOUT_CORRECTION_PRESETS, correction_settings
 from rlhf.config.redact import URI_PASSWORD, redact
 from rlhf.config.schema import _CHOICES, _LOGGERS, ConfigError, PPOConfig, flatten
-
-__all__ = ["GROUP_ESTIMATORS", "ROLLOUT_CORRECTION_PRESETS", "correction_settings", "validate"]
 
 
 def validate(cfg: PPOConfig) -> None:
@@ -65,7 +60,6 @@ def validate(cfg: PPOConfig) -> None:
         raise ConfigError(f"trainer.critic_warmup must be >= 0, got {cfg.trainer.critic_warmup}")
     if cfg.data.val_batch_size < 0 or cfg.rollout.val_temperature < 0:
         raise ConfigError("data.val_batch_size and rollout.val_temperature must be >= 0")
-    correction_settings(cfg)  # raises on a bad preset, conflicting keys or a value verl refuses
 
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")  # advantages from a prompt's group

@@ -20,6 +20,7 @@ from typing import Any, get_args, get_origin
 import yaml
 
 from rlhf.config.checks import validate
+from rlhf.config.correction import correction_settings
 from rlhf.config.ranges import check_ranges, warn_repeated
 from rlhf.config.schema import ConfigError, PPOConfig, _all_keys, _hints, _key_names, _unknown, flatten, to_dict
 
@@ -187,6 +188,7 @@ def from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> PPOCon
             _set_dotted(tree, key, value)
     cfg = _build(PPOConfig, tree)
     validate(cfg)
+    correction_settings(cfg)  # raises on a bad preset, conflicting keys or a value verl refuses
     check_ranges(flatten(cfg))
     return cfg
 

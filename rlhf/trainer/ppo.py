@@ -33,9 +33,9 @@ from typing import Iterator
 import torch
 
 from rlhf.algos.advantages import compute_advantages, compute_token_level_rewards
-from rlhf.algos.correction import compute_rollout_correction
+from rlhf.algos.correction import bypass_policy_loss, compute_rollout_correction
 from rlhf.algos.kl import kl_penalty, make_kl_controller
-from rlhf.algos.losses import agg_loss, bypass_policy_loss, policy_loss, value_loss
+from rlhf.algos.losses import agg_loss, policy_loss, value_loss
 from rlhf.algos.masked import explained_variance
 from rlhf.algos.mismatch import log_prob_diff_metrics, probs_diff_metrics
 from rlhf.config.correction import correction_settings

@@ -123,20 +123,24 @@ BYPASS = {
 }
 
 
+@pytest.mark.parametrize("engine", [False, True], ids=["own-denominators", "engine-denominators"])
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
 @pytest.mark.parametrize("case", list(BYPASS))
-def test_bypass_loss_equals_verl(case, agg):
+def test_bypass_loss_equals_verl(case, agg, engine):
     """Bypass mode: correction against the *current* policy inside the loss (the rollout
     log-probs are the PPO anchor); loss, gradient and metrics equal verl's
-    `compute_policy_loss_bypass_mode`."""
+    `compute_policy_loss_bypass_mode`, alone or with the denominators verl's engine hands it
+    (tokens and responses counted before the loss rejects any)."""
     kw = {**OFF, **BYPASS[case]}
     b = V.batch(2)
     mask = b["response_mask"]
     adv = torch.randn(mask.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     lp_ours = b["old_log_probs"].clone().requires_grad_(True)  # the current policy
     lp_verl = b["old_log_probs"].clone().requires_grad_(True)
-    loss, m = bypass_policy_loss(lp_ours, b["rollout_log_probs"], adv, mask, 0.2, 0.2, 3.0, agg, **kw)
+    denominators = dict(batch_num_tokens=float(mask.sum()), global_batch_size=float(len(mask))) if engine else {}
+    loss, m = bypass_policy_loss(lp_ours, b["rollout_log_probs"], adv, mask, 0.2, 0.2, 3.0, agg, **kw, **denominators)
     cfg = V.actor_config(loss_agg_mode=agg, rollout_correction=V.rollout_corr_config(bypass_mode=True, **kw))
+    cfg.global_batch_info.update(denominators)
     v_loss, v_m = V.core_algos.compute_policy_loss_bypass_mode(b["rollout_log_probs"], lp_verl, adv, mask, agg,
                                                               config=cfg)
     # (verl's seq-mean-token-mean divides by token counts + 1e-8: equal to about 1e-8)
@@ -152,19 +156,25 @@ def test_bypass_loss_equals_verl(case, agg):
         assert 0 < ours["rollout_corr/rollout_rs_masked_fraction"] < 1
 
 
+@pytest.mark.parametrize("engine", [False, True], ids=["own-denominators", "engine-denominators"])
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum"])
-def test_decoupled_weights_in_the_loss_equal_verl(agg):
+def test_decoupled_weights_in_the_loss_equal_verl(agg, engine):
     """Decoupled mode: the IS weights multiply the clipped surrogate over the rejection mask,
-    as verl's vanilla loss does with `rollout_is_weights`."""
+    as verl's vanilla loss does with `rollout_is_weights` (verl's engine counts a response
+    rejected whole in the sequence mean's denominator: its global_batch_size)."""
     b = V.batch(4)
     corr, _ = compute_rollout_correction(b["old_log_probs"], b["rollout_log_probs"], b["response_mask"],
                                          **{**OFF, **CASES["is-and-rs"]})
     g = torch.Generator().manual_seed(5)
     adv = torch.randn(corr.mask.shape, generator=g, dtype=torch.float64)
     lp = b["old_log_probs"] + 0.1 * torch.randn(corr.mask.shape, generator=g, dtype=torch.float64)
-    loss, m = policy_loss(lp, b["old_log_probs"], adv, corr.mask, 0.2, 0.2, 3.0, agg, rollout_is_weights=corr.weights)
-    v_loss, v_m = V.core_algos.compute_policy_loss_vanilla(b["old_log_probs"], lp, adv, corr.mask, agg,
-                                                           config=V.actor_config(loss_agg_mode=agg),
+    assert (corr.mask.sum(-1) == 0).any()  # a response rejected whole
+    denominators = dict(global_batch_size=float(len(corr.mask))) if engine else {}
+    loss, m = policy_loss(lp, b["old_log_probs"], adv, corr.mask, 0.2, 0.2, 3.0, agg, rollout_is_weights=corr.weights,
+                          **denominators)
+    cfg = V.actor_config(loss_agg_mode=agg)
+    cfg.global_batch_info.update(denominators)
+    v_loss, v_m = V.core_algos.compute_policy_loss_vanilla(b["old_log_probs"], lp, adv, corr.mask, agg, config=cfg,
                                                            rollout_is_weights=corr.weights)
     assert float(loss) == pytest.approx(float(v_loss), rel=1e-9)
     for k in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"):

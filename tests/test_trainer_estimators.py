@@ -205,10 +205,10 @@ def test_bypass_mode_rejects_against_the_current_policy_inside_the_loss():
     assert batch.loss_mask is None and not any(k.startswith("rollout_corr/") for k in m_adv)  # in the loss instead
     loss, m = trainer._actor_loss(batch)
     assert m["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(0.4)  # responses 1 and 3: 4 of 10 tokens
-    rc = V.preset("bypass_ppo_clip_geo_rs")
+    cfg = V.actor_config(rollout_correction=V.preset("bypass_ppo_clip_geo_rs"))
+    cfg.global_batch_info.update(batch_num_tokens=10, global_batch_size=4)  # as verl's engine counts them
     v_loss, v_m = V.core_algos.compute_policy_loss_bypass_mode(
-        buf.old_log_probs, lp, batch.advantages, base.response_mask, "token-mean",
-        config=V.actor_config(rollout_correction=rc))
+        buf.old_log_probs, lp, batch.advantages, base.response_mask, "token-mean", config=cfg)
     assert float(loss.detach()) == pytest.approx(float(v_loss), abs=1e-6)
     assert m["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(v_m["rollout_corr/rollout_rs_seq_masked_fraction"])
 

@@ -171,6 +171,8 @@ def bypass_policy_loss(
     rollout_is_batch_normalize: bool = False,
     rollout_rs: Optional[str] = None,
     rollout_rs_threshold: Optional[Union[str, float]] = None,
+    batch_num_tokens: Optional[float] = None,
+    global_batch_size: Optional[float] = None,
 ) -> tuple[Tensor, dict]:
     """verl's bypass mode (`compute_policy_loss_bypass_mode`): the PPO anchor is the rollout
     policy itself, and rollout correction is computed here against the *current* policy
@@ -180,8 +182,10 @@ def bypass_policy_loss(
     logprob (grad flows), rollout_logprob, advantages, response_mask: (B, T).
     `loss_type` "ppo_clip": `policy_loss` with ratio pi_theta / pi_rollout over the kept
     tokens, IS weights unused (the ratio is the correction; they are logged only);
-    "reinforce": `reinforce_loss` with the IS weights. Returns (loss, metrics): the loss's
-    own metrics unprefixed, the correction's under `rollout_corr/`.
+    "reinforce": `reinforce_loss` with the IS weights. `batch_num_tokens` and
+    `global_batch_size` replace the aggregation's denominators (verl's engine takes them
+    before this loss rejects anything). Returns (loss, metrics): the loss's own metrics
+    unprefixed, the correction's under `rollout_corr/`.
     """
     if loss_type not in BYPASS_LOSS_TYPES:
         raise ValueError(f"rollout_correction.loss_type must be one of {', '.join(BYPASS_LOSS_TYPES)}, "
@@ -189,9 +193,11 @@ def bypass_policy_loss(
     corr, corr_metrics = compute_rollout_correction(
         logprob.detach(), rollout_logprob, response_mask, rollout_is, rollout_is_threshold,
         rollout_is_batch_normalize, rollout_rs, rollout_rs_threshold)
+    denominators = dict(batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size)
     if loss_type == "reinforce":
-        loss, metrics = reinforce_loss(logprob, rollout_logprob, advantages, corr.mask, loss_agg_mode, corr.weights)
+        loss, metrics = reinforce_loss(logprob, rollout_logprob, advantages, corr.mask, loss_agg_mode, corr.weights,
+                                       **denominators)
     else:
         loss, metrics = policy_loss(logprob, rollout_logprob, advantages, corr.mask, clip_ratio_low,
-                                    clip_ratio_high, clip_ratio_c, loss_agg_mode)
+                                    clip_ratio_high, clip_ratio_c, loss_agg_mode, **denominators)
     return loss, {**metrics, **corr_metrics}

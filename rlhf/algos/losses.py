@@ -161,7 +161,8 @@ def value_loss(
 
 
 def reinforce_loss(logprob: Tensor, rollout_logprob: Tensor, advantages: Tensor, response_mask: Tensor,
-                   loss_agg_mode: str = "token-mean", rollout_is_weights: Optional[Tensor] = None
+                   loss_agg_mode: str = "token-mean", rollout_is_weights: Optional[Tensor] = None, *,
+                   batch_num_tokens: Optional[float] = None, global_batch_size: Optional[float] = None
                    ) -> tuple[Tensor, dict]:
     """REINFORCE with optional IS weights (verl's `compute_policy_loss_reinforce`), no clipping:
     L = agg(-A * w * log pi), w detached. All (B, T). Metric `ppo_kl`: mean of
@@ -170,7 +171,8 @@ def reinforce_loss(logprob: Tensor, rollout_logprob: Tensor, advantages: Tensor,
     pg_losses = -_zero_masked(advantages, valid) * _zero_masked(logprob, valid)
     if rollout_is_weights is not None:
         pg_losses = pg_losses * _zero_masked(rollout_is_weights.detach(), valid)
-    loss = agg_loss(pg_losses, valid, loss_agg_mode)
+    loss = agg_loss(pg_losses, valid, loss_agg_mode, batch_num_tokens=batch_num_tokens,
+                    global_batch_size=global_batch_size)
     with torch.no_grad():
         metrics = {"ppo_kl": masked_mean(rollout_logprob - logprob, valid)}
     return loss, metrics

@@ -217,6 +217,16 @@ class PPOTrainer:
         a = self.cfg.actor
         return F.micro_batches(mini, micro, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu)
 
+    def _denominators(self, mb: PPOBatch) -> dict[str, float]:
+        """What verl's engine divides the losses by, from the mask before any rejection: the
+        sequence means count a response the correction rejected whole (verl's
+        `global_batch_size` is the mini-batch's), and in bypass mode the token mean counts the
+        tokens the loss itself rejects (verl's token count is taken before the loss runs)."""
+        d = {"global_batch_size": float((mb.response_mask.sum(-1) > 0).sum().clamp_min(1))}
+        if self.correction.bypass_mode:
+            d["batch_num_tokens"] = float(mb.response_mask.sum().clamp_min(1))
+        return d
+
     def _pg_loss(self, lp: torch.Tensor, mb: PPOBatch) -> tuple[torch.Tensor, dict]:
         """The policy-gradient term: PPO's clipped surrogate with the IS weights over the
         tokens that train, or in bypass mode verl's `bypass_mode` loss, which corrects
@@ -229,22 +239,23 @@ class PPOTrainer:
                                       a.loss_agg_mode, loss_type=rc.loss_type, rollout_is=rc.rollout_is,
                                       rollout_is_threshold=rc.rollout_is_threshold,
                                       rollout_is_batch_normalize=rc.rollout_is_batch_normalize,
-                                      rollout_rs=rc.rollout_rs, rollout_rs_threshold=rc.rollout_rs_threshold)
+                                      rollout_rs=rc.rollout_rs, rollout_rs_threshold=rc.rollout_rs_threshold,
+                                      **self._denominators(mb))
         return policy_loss(lp, mb.old_log_probs, mb.advantages, mb.train_mask, low, high, a.clip_ratio_c,
-                           a.loss_agg_mode, rollout_is_weights=mb.rollout_is_weights)
+                           a.loss_agg_mode, rollout_is_weights=mb.rollout_is_weights, **self._denominators(mb))
 
     def _actor_loss(self, mb: PPOBatch) -> tuple[torch.Tensor, dict[str, float]]:
         a = self.cfg.actor
         lp, ent = F.log_probs(self.actor, mb, self.cfg.rollout.temperature, self._packed, with_entropy=True)
-        mask = mb.train_mask
+        mask, denominators = mb.train_mask, self._denominators(mb)
         pg_loss, m = self._pg_loss(lp, mb)
-        entropy = agg_loss(ent, mask, a.loss_agg_mode)
+        entropy = agg_loss(ent, mask, a.loss_agg_mode, **denominators)
         loss = pg_loss - a.entropy_coeff * entropy
         metrics = {"actor/pg_loss": float(pg_loss.detach()), "actor/entropy": float(entropy.detach()),
                    **{(k if "/" in k else f"actor/{k}"): float(v) for k, v in m.items()}}
         if a.use_kl_loss and mb.ref_log_probs is not None:
             kl = kl_penalty(lp, mb.ref_log_probs, a.kl_loss_type)
-            kl_loss = agg_loss(kl, mask, a.loss_agg_mode)
+            kl_loss = agg_loss(kl, mask, a.loss_agg_mode, **denominators)
             loss = loss + a.kl_loss_coef * kl_loss
             metrics["actor/kl_loss"] = float(kl_loss.detach())
             metrics["actor/kl_coef"] = a.kl_loss_coef
@@ -253,7 +264,8 @@ class PPOTrainer:
     def _critic_loss(self, mb: PPOBatch) -> tuple[torch.Tensor, dict[str, float]]:
         c = self.cfg.critic
         v = F.values(self.critic, mb, self._packed)
-        loss, m = value_loss(v, mb.values, mb.returns, mb.train_mask, c.cliprange_value, c.loss_agg_mode)
+        loss, m = value_loss(v, mb.values, mb.returns, mb.train_mask, c.cliprange_value, c.loss_agg_mode,
+                             global_batch_size=self._denominators(mb)["global_batch_size"])
         return loss, {"critic/vf_loss": float(loss.detach()), **{f"critic/{k}": float(x) for k, x in m.items()}}
 
     def _optimize(self, engine, guard: NonFiniteGuard, batch: PPOBatch, epochs: int, micro: int, loss_fn,

@@ -12,6 +12,7 @@ import torch
 
 from rlhf.algos import policy_loss
 from rlhf.algos.correction import bypass_policy_loss, compute_rollout_correction
+from rlhf.algos.mismatch import probs_diff_metrics
 from rlhf.config import ConfigError, load_config
 from rlhf.config.correction import ROLLOUT_CORRECTION_PRESETS, correction_settings
 from rlhf.config.correction_spec import CRITERIA
@@ -251,3 +252,13 @@ def test_tis_cap_is_the_token_preset():
     cap = correction_settings(load_config(None, ["actor.tis_imp_ratio_cap=1.5"]))
     token = dataclasses.replace(V.preset("decoupled_token_is"), rollout_is_threshold=1.5)
     assert V.correction_kwargs(cap) == {**V.correction_kwargs(token), "rollout_is_threshold": "1.5"}
+
+
+def test_probs_diff_metrics_equal_verl():
+    b = V.batch(8, spread=0.5)
+    data = V.data_proto(b)
+    data.batch["responses"] = torch.zeros_like(b["response_mask"], dtype=torch.long)
+    ours = probs_diff_metrics(b["old_log_probs"], b["rollout_log_probs"], b["response_mask"])
+    theirs = V.calculate_debug_metrics(data)
+    assert set(ours) == set(theirs)
+    assert all(V.close(ours[k], float(v)) for k, v in theirs.items()), (ours, theirs)

@@ -4,6 +4,7 @@ is not used: a missing verl is a broken test set-up, not a skipped feature).
 
 - `batch(...)`: random rollouts as plain tensors (groups of responses, uneven lengths,
   garbage at padded positions) and `data_proto(...)`: the same as verl's `DataProto`.
+- `rollout_corr_helper`, `core_algos`, `calculate_debug_metrics`: verl's modules and function.
 - `rollout_corr_config(**kw)` / `preset(name)` / `PRESETS`: verl's `RolloutCorrectionConfig`.
 - `actor_config(...)`: verl's `FSDPActorConfig` as its policy losses read it.
 - `apply_kl_penalty`, `compute_advantage`: verl's own functions from `ray_trainer.py`, whose
@@ -28,6 +29,7 @@ from verl import DataProto
 from verl.trainer.config.algorithm import AlgoConfig, KLControlConfig, RolloutCorrectionConfig
 from verl.trainer.ppo import core_algos, rollout_corr_helper  # noqa: F401 (re-exported for tests)
 from verl.trainer.ppo.core_algos import AdvantageEstimator, FixedKLController
+from verl.utils.debug.metrics import calculate_debug_metrics  # noqa: F401 (re-exported for tests)
 from verl.utils.torch_functional import masked_mean
 from verl.workers.config.actor import FSDPActorConfig, PolicyLossConfig
 
@@ -129,7 +131,8 @@ def advantage_stage(b: dict[str, torch.Tensor], rc: Optional[RolloutCorrectionCo
     if rc is not None and not rc.bypass_mode:
         data, m = rollout_corr_helper.compute_rollout_correction_and_add_to_batch(data, rc)
         metrics.update(m)
-    algo = AlgoConfig(gamma=gamma, lam=lam, adv_estimator=adv_estimator, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+    algo = AlgoConfig(gamma=gamma, lam=lam, adv_estimator=adv_estimator,
+                      norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
                       kl_ctrl=KLControlConfig(kl_coef=kl_coef), rollout_correction=rc)
     data = compute_advantage(data, adv_estimator=adv_estimator, gamma=gamma, lam=lam,
                              norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, config=algo)

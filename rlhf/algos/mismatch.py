@@ -69,7 +69,8 @@ def probs_diff_metrics(old_log_prob: Tensor, rollout_log_prob: Tensor, response_
     diff = (p_old - p_roll).abs()
     corr = torch.corrcoef(torch.stack([p_old, p_roll]))[0, 1]
     return {"training/rollout_probs_diff_valid": 1.0, "training/rollout_probs_diff_max": float(diff.max()),
-            "training/rollout_probs_diff_mean": float(diff.mean()), "training/rollout_probs_diff_std": float(diff.std()),
+            "training/rollout_probs_diff_mean": float(diff.mean()),
+            "training/rollout_probs_diff_std": float(diff.std()),
             "training/rollout_actor_probs_pearson_corr": float(corr)}
 
 

@@ -108,8 +108,8 @@ FIXED: dict[str, tuple[Any, str]] = {
     "data.reward_fn_key": ("data_source", "the reward function is chosen by 'data_source' (verl's default)"),
     f"{_AR}.hybrid_engine": (True, "rollout and update always share the process and the GPUs here"),
     "reward_model.enable": (None, ""),  # either value: a reward model is used where rows ask for one
-    f"{_AR}.rollout.calculate_log_probs": (True, "the rollout's log-probs are always kept here; to train "
-                                                 "without rollout correction set algorithm.rollout_correction.preset=disabled"),
+    f"{_AR}.rollout.calculate_log_probs": (True, "the rollout's log-probs are always kept here; to train without "
+                                                 "rollout correction set algorithm.rollout_correction.preset=disabled"),
 }
 
 

@@ -14,7 +14,8 @@ and `seq_max_k*` (k2, k3 only) judge a response by the sum, mean or max of its t
 and keep or drop it whole. k2 and k3 have an upper bound only; k1 keeps
 log(lower) <= k1 <= log(upper), so `"lower_upper"` bounds pi_rollout / pi_old (a single
 number u means lower = 1/u). Several criteria joined by commas must all pass; thresholds
-are one string for all of them or one per criterion, comma-separated ("0.5_2,0.01").
+are one string for all of them or one per criterion, comma-separated ("0.5_2,0.01");
+`rlhf.config.correction_spec` parses both.
 
 Pure tensors in, `(keep mask, metrics)` out; metric names are verl's without the
 `rollout_corr/` prefix the caller adds.

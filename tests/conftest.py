@@ -4,12 +4,28 @@ import socket
 import subprocess
 import sys
 import time
+import types
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _own_tests_package() -> None:
+    """`from tests.tiny import ...` must find this directory. verl's wheel (installed for the
+    parity tests) ships a top-level `tests` package of its own, to which a directory without
+    `__init__.py` loses; the name is bound to this directory before any test imports it."""
+    here = str(Path(__file__).resolve().parent)
+    mod = sys.modules.get("tests")
+    if mod is None or here not in [str(Path(p).resolve()) for p in getattr(mod, "__path__", [])]:
+        pkg = types.ModuleType("tests")
+        pkg.__path__ = [here]
+        sys.modules["tests"] = pkg
+
+
+_own_tests_package()
 
 
 def _free_port() -> int:

@@ -1,16 +1,19 @@
-"""RLOO and REINFORCE++-baseline: hand cases, masked-position invariance, and verl's formula
-as its `core_algos.py` states it (a per-group Python loop, re-written here as the reference)."""
+"""RLOO and REINFORCE++-baseline: hand cases, masked-position invariance, and verl 0.9.1's
+own `core_algos` estimators on the same inputs (GRPO too, after rollout rejection)."""
 
 from __future__ import annotations
 
-from collections import defaultdict
-
+import numpy as np
 import pytest
 import torch
 
-from rlhf.algos import ADV_ESTIMATORS, compute_advantages, masked_whiten
+from rlhf.algos import ADV_ESTIMATORS, compute_advantages
 from rlhf.algos.outcome import (compute_reinforce_plus_plus_baseline_outcome_advantage,
                                 compute_rloo_outcome_advantage)
+from tests.verl_reference import core_algos
+
+VERL = {"grpo": core_algos.compute_grpo_outcome_advantage, "rloo": core_algos.compute_rloo_outcome_advantage,
+        "reinforce_plus_plus_baseline": core_algos.compute_reinforce_plus_plus_baseline_outcome_advantage}
 
 
 def t(x):
@@ -22,37 +25,6 @@ def outcome(scores, width=3):
     r = torch.zeros(len(scores), width, dtype=torch.float64)
     r[:, -1] = t(scores)
     return r, torch.ones(len(scores), width, dtype=torch.float64)
-
-
-def verl_rloo(token_level_rewards, response_mask, index):
-    """verl's compute_rloo_outcome_advantage, step by step: per group mean; for a group of
-    n > 1, score * n/(n-1) - mean * n/(n-1); a group of one keeps its score."""
-    scores = token_level_rewards.sum(dim=-1).clone()
-    id2score, id2mean = defaultdict(list), {}
-    for i in range(len(scores)):
-        id2score[index[i]].append(scores[i])
-    for idx, vals in id2score.items():
-        id2mean[idx] = torch.tensor(0.0, dtype=scores.dtype) if len(vals) == 1 else torch.mean(torch.stack(vals))
-    for i in range(len(scores)):
-        n = len(id2score[index[i]])
-        if n > 1:
-            scores[i] = scores[i] * n / (n - 1) - id2mean[index[i]] * n / (n - 1)
-    return scores.unsqueeze(-1) * response_mask
-
-
-def verl_rfpp_baseline(token_level_rewards, response_mask, index):
-    """verl's compute_reinforce_plus_plus_baseline_outcome_advantage: subtract the group mean
-    (0 for a group of one), tile over the response, masked_whiten over the batch, times mask."""
-    scores = token_level_rewards.sum(dim=-1).clone()
-    id2score, id2mean = defaultdict(list), {}
-    for i in range(len(scores)):
-        id2score[index[i]].append(scores[i])
-    for idx, vals in id2score.items():
-        id2mean[idx] = torch.tensor(0.0, dtype=scores.dtype) if len(vals) == 1 else torch.mean(torch.stack(vals))
-    for i in range(len(scores)):
-        scores[i] = scores[i] - id2mean[index[i]]
-    tiled = scores.unsqueeze(-1).tile([1, token_level_rewards.shape[-1]]) * response_mask
-    return masked_whiten(tiled, response_mask) * response_mask
 
 
 def test_rloo_hand_case():
@@ -72,16 +44,35 @@ def test_reinforce_pp_baseline_hand_case():
     assert torch.allclose(adv[:, 0], t([0.5, -0.5, 0.0, 0.0]) / std, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["rloo", "reinforce_plus_plus_baseline"])
-def test_estimators_match_verl_formula(name):
+@pytest.mark.parametrize("name", ["rloo", "reinforce_plus_plus_baseline", "grpo"])
+def test_estimators_match_verl(name):
     g = torch.Generator().manual_seed(0)
     rewards = torch.randn(12, 5, generator=g, dtype=torch.float64)
     mask = (torch.rand(12, 5, generator=g) > 0.3).double()
     mask[:, 0] = 1
     index = [0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 4, 4]
     ours, _ = compute_advantages(name, rewards * mask, mask, group_ids=index)
-    ref = verl_rloo(rewards * mask, mask, index) if name == "rloo" else verl_rfpp_baseline(rewards * mask, mask, index)
-    assert torch.allclose(ours, ref, atol=1e-6)
+    ref, _ = VERL[name](token_level_rewards=rewards * mask, response_mask=mask, index=np.array(index))
+    assert torch.allclose(ours, ref * mask, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["rloo", "reinforce_plus_plus_baseline", "grpo"])
+def test_rejected_responses_keep_their_place_in_the_group_baseline(name):
+    """After rollout rejection verl passes the rejected mask but sums each response's rewards
+    over all its tokens, so a rejected response still counts in its group's mean (and std):
+    `reward_mask` (the mask before rejection) gives the same."""
+    g = torch.Generator().manual_seed(2)
+    mask = torch.ones(8, 4, dtype=torch.float64)
+    rewards = torch.randn(8, 4, generator=g, dtype=torch.float64)
+    keep = mask.clone()
+    keep[1] = 0  # response 1 rejected whole
+    keep[5, 2:] = 0  # response 5 loses its last tokens (where the outcome reward sits)
+    index = [0, 0, 0, 0, 1, 1, 1, 1]
+    ours, _ = compute_advantages(name, rewards, keep, group_ids=index, reward_mask=mask)
+    ref, _ = VERL[name](token_level_rewards=rewards, response_mask=keep, index=np.array(index))
+    assert torch.allclose(ours, ref * keep, atol=1e-6)
+    dropped, _ = compute_advantages(name, rewards, keep, group_ids=index)  # totals over the kept tokens only
+    assert not torch.allclose(dropped, ours, atol=1e-3)
 
 
 @pytest.mark.parametrize("name", ["rloo", "reinforce_plus_plus_baseline"])

@@ -35,10 +35,10 @@ ROOT = Path(__file__).resolve().parents[1]
     ("model.sft.lr=0", r"'model.sft.lr' is 0; it must be in \(0, inf\)"),
     ("trainer.profile_steps=[3,0]", r"'trainer.profile_steps' is 0"),
     ("trainer.save_freq=0", r"'trainer.save_freq' is 0; it must be in -1 or \[1, inf\)"),
-    ("algorithm.rollout_correction.rollout_rs_threshold_lower=0",
-     r"'algorithm.rollout_correction.rollout_rs_threshold_lower' is 0; it must be in \(0, inf\)"),
-    ("algorithm.rollout_correction.rollout_token_veto_threshold=1",
-     r"'algorithm.rollout_correction.rollout_token_veto_threshold' is 1; it must be in \(0, 1\)"),
+    ("algorithm.rollout_correction.rollout_is_threshold=0",
+     r"algorithm.rollout_correction.rollout_is_threshold: rollout_is_threshold '0': bounds must be positive"),
+    ("algorithm.rollout_correction.rollout_rs=token_k3",
+     r"algorithm.rollout_correction.rollout_rs_threshold: rollout_rs_threshold must be given"),
     ("actor.tis_imp_ratio_cap=0", r"actor.tis_imp_ratio_cap must be > 0, or -1 for off; got 0"),
 ])
 def test_values_no_run_can_use_are_refused_naming_key_and_range(override, message):
@@ -53,14 +53,12 @@ def test_edge_values_that_runs_use_are_accepted(override):
 
 
 def test_rejection_bounds_that_cross_are_refused_at_launch():
-    rs = ["algorithm.rollout_correction.rollout_rs=sequence"]
-    with pytest.raises(ConfigError, match=r"lower=3 is above upper=2.*rollout_rs_threshold_lower <= rollout_rs_threshold"):
-        load_config(None, rs + ["algorithm.rollout_correction.rollout_rs_threshold=2",
-                                "algorithm.rollout_correction.rollout_rs_threshold_lower=3"])
-    with pytest.raises(ConfigError, match=r"lower=2 is above upper=0.5"):  # lower defaults to 1 / upper
+    rs = ["algorithm.rollout_correction.rollout_rs=seq_sum_k1"]
+    with pytest.raises(ConfigError, match=r"rollout_rs_threshold '3_2' for seq_sum_k1 needs lower <= upper"):
+        load_config(None, rs + ["algorithm.rollout_correction.rollout_rs_threshold='3_2'"])
+    with pytest.raises(ConfigError, match=r"'0.5' for seq_sum_k1 needs lower <= upper"):  # lower defaults to 1 / upper
         load_config(None, rs + ["algorithm.rollout_correction.rollout_rs_threshold=0.5"])
-    load_config(None, rs + ["algorithm.rollout_correction.rollout_rs_threshold=1.5",
-                            "algorithm.rollout_correction.rollout_rs_threshold_lower=0.9"])
+    load_config(None, rs + ["algorithm.rollout_correction.rollout_rs_threshold='0.9_1.5'"])
     load_config(None, ["algorithm.rollout_correction.preset=decoupled_geo_rs"])
 
 

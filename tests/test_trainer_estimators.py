@@ -1,18 +1,21 @@
 """Advantage estimators, the KL terms, rollout correction, critic warm-up and mini-batch
-shuffling through `PPOTrainer` (real DeepSpeed engines, gloo on CPU) against hand values."""
+shuffling through `PPOTrainer` (real DeepSpeed engines, gloo on CPU) against hand values,
+and its advantage stage and bypass-mode loss against verl 0.9.1's own functions."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
 from rlhf.algos import kl_penalty
-from rlhf.config import derive_sizes, load_config
+from rlhf.config import RolloutCorrectionConfig, derive_sizes, load_config
 from rlhf.trainer import dist as D
 from rlhf.trainer import forward as F
-from rlhf.trainer.batch import collate
+from rlhf.trainer.batch import PPOBatch, collate
+from tests import verl_reference as V
 
 SMALL = ["model.tiny.hidden_size=32", "model.tiny.num_hidden_layers=2", "model.tiny.num_attention_heads=2",
          "model.tiny.num_key_value_heads=2", "model.tiny.intermediate_size=64", "data.train_batch_size=2",
@@ -135,6 +138,82 @@ def test_rollout_correction_through_trainer_weights_the_loss():
     l_shift, _ = trainer._actor_loss(shifted)
     assert float(l_same) == pytest.approx(float(l_plain), abs=1e-7)
     assert float(l_shift) == pytest.approx(1.5 * float(l_plain), rel=1e-4)  # entropy_coeff 0
+
+
+def as_ppo_batch(b: dict) -> PPOBatch:
+    """`verl_reference.batch(...)` in the trainer's layout (token ids made up: only the
+    log-probs, values and scores given here enter the advantage stage)."""
+    B, T = b["response_mask"].shape
+    lengths = b["response_mask"].sum(-1).long().tolist()
+    pb = collate([[5, 6]] * B, [[10 + j for j in range(n)] for n in lengths], b["scores"].tolist(),
+                 b["group_ids"].tolist(), pad_id=0, prompt_width=2, response_width=T)
+    return pb.with_(old_log_probs=b["old_log_probs"], ref_log_probs=b["ref_log_prob"],
+                    rollout_log_probs=b["rollout_log_probs"], values=b["values"])
+
+
+@pytest.fixture(scope="module", params=["gae", "grpo"])
+def kl_trainer(request):
+    trainer, _ = make_trainer(f"algorithm.adv_estimator={request.param}", "algorithm.use_kl_in_reward=true",
+                              "algorithm.kl_ctrl.kl_coef=0.1", "algorithm.kl_penalty=kl",
+                              critic=request.param == "gae")
+    return trainer, request.param
+
+
+@pytest.mark.parametrize("correction", [
+    dict(rollout_is="token", rollout_is_threshold="2.0"),
+    dict(rollout_is="token", rollout_is_threshold="0.8_1.25", rollout_rs="token_k1", rollout_rs_threshold="0.8_1.25"),
+    dict(rollout_is="sequence", rollout_rs="seq_mean_k3", rollout_rs_threshold="0.03"),
+    dict(rollout_is=None, rollout_rs="token_k2,seq_max_k3", rollout_rs_threshold="0.05,0.5"),
+    dict(rollout_is="sequence", rollout_is_threshold="0.5_5.0", rollout_is_batch_normalize=True,
+         rollout_rs="seq_sum_k1", rollout_rs_threshold="0.3_3.0"),
+])
+def test_advantage_stage_equals_verl(kl_trainer, correction):
+    """KL penalty, rollout correction, then the estimator (verl's order): the same rejection
+    mask, IS weights, advantages, returns and metrics as verl's `apply_kl_penalty`,
+    `compute_rollout_correction_and_add_to_batch` and `compute_advantage`."""
+    trainer, estimator = kl_trainer
+    trainer.correction = dataclasses.replace(RolloutCorrectionConfig(), **correction)
+    b = V.batch(1)
+    verl_data, verl_metrics = V.advantage_stage(b, V.rollout_corr_config(**correction), estimator)
+    out, metrics = trainer.advantages(as_ppo_batch(b))
+    keep = verl_data.batch["response_mask"].bool()
+    assert torch.equal(out.train_mask.bool(), keep)
+    assert torch.allclose(out.advantages[keep], verl_data.batch["advantages"][keep], atol=1e-7)
+    assert torch.allclose(out.returns[keep], verl_data.batch["returns"][keep], atol=1e-7)
+    if correction["rollout_is"] is not None:
+        assert torch.allclose(out.rollout_is_weights, verl_data.batch["rollout_is_weights"], atol=1e-9)
+    wrong = {k: (metrics.get(k), v) for k, v in verl_metrics.items() if not V.close(metrics.get(k, float("nan")), v)}
+    assert not wrong, wrong  # actor/reward_kl_penalty (a mean of per-response means) and every rollout_corr/*
+    if correction.get("rollout_rs"):
+        assert 0 < keep.sum() < b["response_mask"].sum()
+        if estimator == "gae":  # the order matters: GAE over the mask before rejection gives other advantages
+            before, _ = trainer.estimate(out.with_(loss_mask=None))
+            assert (before.advantages - out.advantages)[keep].abs().max() > 1e-3
+
+
+def test_bypass_mode_rejects_against_the_current_policy_inside_the_loss():
+    """Bypass mode anchors PPO at the rollout log-probs; the rejection then compares the policy
+    being trained with the rollout (verl's `compute_policy_loss_bypass_mode`), not the rollout
+    log-probs with themselves, and the actor's loss equals verl's on the same tensors."""
+    trainer, _ = make_trainer("algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
+                              "actor.entropy_coeff=0.0", "algorithm.rollout_correction.preset=bypass_ppo_clip_geo_rs")
+    base = hand_batch([1.0, 0.0, 0.0, 1.0], [0, 0, 1, 1])
+    lp, _ = F.log_probs(trainer.actor, base, trainer.cfg.rollout.temperature, packed=False)
+    lp = lp.detach() * base.response_mask
+    noise = torch.tensor([[0.0, 0.0, 0.0], [0.3, -0.2, 0.0], [0.0, 0.0, 0.0], [-0.4, 0.5, 0.0]])
+    buf = trainer.behaviour_log_probs(base.with_(rollout_log_probs=lp + noise))
+    assert torch.equal(buf.old_log_probs, buf.rollout_log_probs)
+    batch, m_adv = trainer.advantages(buf.with_(ref_log_probs=buf.old_log_probs))
+    assert batch.loss_mask is None and not any(k.startswith("rollout_corr/") for k in m_adv)  # in the loss instead
+    loss, m = trainer._actor_loss(batch)
+    assert m["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(0.4)  # responses 1 and 3: 4 of 10 tokens
+    cfg = V.actor_config(rollout_correction=V.preset("bypass_ppo_clip_geo_rs"))
+    cfg.global_batch_info.update(batch_num_tokens=10, global_batch_size=4)  # as verl's engine counts them
+    v_loss, v_m = V.core_algos.compute_policy_loss_bypass_mode(
+        buf.old_log_probs, lp, batch.advantages, base.response_mask, "token-mean", config=cfg)
+    assert float(loss.detach()) == pytest.approx(float(v_loss), abs=1e-6)
+    key = "rollout_corr/rollout_rs_seq_masked_fraction"
+    assert m[key] == pytest.approx(v_m[key])
 
 
 def _params(m):

@@ -4,8 +4,9 @@ Owns: masked statistics (`masked`), KL estimators and KL coefficient controllers
 `KL_ESTIMATORS`, `KL_CONTROLLERS`), token-level rewards and advantage estimators
 (`advantages`: GAE, GRPO and the `ADV_ESTIMATORS` registry; `outcome`: RLOO and
 REINFORCE++-baseline, registered there), losses (`losses`: `agg_loss`, `policy_loss`,
-`value_loss`), per-token quantities from logits (`logits`), and rollout correction
-(`correction`: importance weights and rejection for off-policy samples). Importing the
+`value_loss`, `reinforce_loss`), per-token quantities from logits (`logits`), and rollout
+correction, verl 0.9.1's (`correction`: importance weights and bypass mode's loss;
+`rejection`: the rejection criteria; `mismatch`: the off-policy diagnostics). Importing the
 package imports every submodule, so each registry holds all of its entries; the public
 names are re-exported here (`from rlhf.algos import compute_advantages`).
 
@@ -26,7 +27,9 @@ Where this package departs from verl:
 
 from __future__ import annotations
 
-from rlhf.algos import advantages, correction, kl, logits, losses, masked, outcome  # noqa: F401 (all registered)
+from rlhf.algos import (  # noqa: F401 (all registered)
+    advantages, correction, kl, logits, losses, masked, mismatch, outcome, rejection,
+)
 from rlhf.algos.advantages import (
     ADV_ESTIMATORS,
     GroupIds,

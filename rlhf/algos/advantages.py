@@ -2,8 +2,12 @@
 that `compute_advantages` dispatches on (`algorithm.adv_estimator`).
 
 Every estimator in the registry takes `(token_level_rewards, response_mask, *, values,
-group_ids, gamma, lam, norm_by_std, whiten)` and returns `(advantages, returns)`, each
-(B, T) and 0 at masked positions. `rlhf.algos.outcome` registers RLOO and
+group_ids, gamma, lam, norm_by_std, whiten, reward_mask)` and returns `(advantages,
+returns)`, each (B, T) and 0 at masked positions. After rollout rejection `response_mask`
+is the mask with the rejected tokens removed, while `reward_mask` (default: the same) is
+the mask before rejection: the outcome estimators sum a response's rewards over it, so a
+rejected response still counts in its group's baseline, as in verl (whose estimators sum
+`token_level_rewards` over every position). `rlhf.algos.outcome` registers RLOO and
 REINFORCE++-baseline here.
 """
 
@@ -149,6 +153,7 @@ def gae_estimator(
     lam: float = 1.0,
     norm_by_std: bool = True,
     whiten: Callable[[Tensor, Tensor], Tensor] = masked_whiten,
+    reward_mask: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """GAE with advantages whitened by `whiten` (over all ranks in the trainer); needs critic `values`."""
     if values is None:
@@ -168,11 +173,14 @@ def grpo_estimator(
     lam: float = 1.0,
     norm_by_std: bool = True,
     whiten: Callable[[Tensor, Tensor], Tensor] = masked_whiten,
+    reward_mask: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
-    """GRPO on each response's total reward (score plus any in-reward KL), as verl."""
+    """GRPO on each response's total reward (score plus any in-reward KL, summed over
+    `reward_mask`), as verl."""
     if group_ids is None:
         raise ValueError("advantage estimator 'grpo' needs group_ids (one id per prompt's group of responses)")
-    scores = _zero_masked(token_level_rewards, response_mask).sum(-1)  # (B,)
+    totals_mask = response_mask if reward_mask is None else reward_mask
+    scores = _zero_masked(token_level_rewards, totals_mask).sum(-1)  # (B,)
     return compute_grpo_advantages(scores, group_ids, response_mask, norm_by_std)
 
 
@@ -187,13 +195,14 @@ def compute_advantages(
     lam: float = 1.0,
     norm_by_std: bool = True,
     whiten: Callable[[Tensor, Tensor], Tensor] = masked_whiten,
+    reward_mask: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """(advantages, returns), each (B, T), from the estimator named `adv_estimator`.
 
     Every estimator reads `token_level_rewards` (score minus any in-reward KL), so the KL
     penalty reaches the advantages whichever estimator is chosen. `whiten(x, mask)` is the
     batch whitening of the estimators that whiten (gae, reinforce_plus_plus_baseline); the
-    trainer passes one that reduces over all ranks.
+    trainer passes one that reduces over all ranks. `reward_mask`: see the module docstring.
     """
     return ADV_ESTIMATORS.get(adv_estimator)(
         token_level_rewards,
@@ -204,4 +213,5 @@ def compute_advantages(
         lam=lam,
         norm_by_std=norm_by_std,
         whiten=whiten,
+        reward_mask=reward_mask,
     )

@@ -1,5 +1,7 @@
 """PPO losses: `agg_loss` (verl's `loss_agg_mode`s), the clipped policy surrogate
-`policy_loss` and the clipped value loss `value_loss`.
+`policy_loss`, the clipped value loss `value_loss`, and `reinforce_loss` (verl's REINFORCE
+with IS weights, the policy loss of rollout correction's bypass mode with loss_type
+"reinforce"; `rlhf.algos.correction.bypass_policy_loss` chooses between the two).
 
 Loss metrics are detached 0-dim tensors (no device sync per micro-batch); call `float()`
 when logging.
@@ -155,4 +157,22 @@ def value_loss(
             "vf_clipfrac": masked_mean((vf_losses2 > vf_losses1).float(), valid),
             "vpred_mean": masked_mean(values, valid),
         }
+    return loss, metrics
+
+
+def reinforce_loss(logprob: Tensor, rollout_logprob: Tensor, advantages: Tensor, response_mask: Tensor,
+                   loss_agg_mode: str = "token-mean", rollout_is_weights: Optional[Tensor] = None, *,
+                   batch_num_tokens: Optional[float] = None, global_batch_size: Optional[float] = None
+                   ) -> tuple[Tensor, dict]:
+    """REINFORCE with optional IS weights (verl's `compute_policy_loss_reinforce`), no clipping:
+    L = agg(-A * w * log pi), w detached. All (B, T). Metric `ppo_kl`: mean of
+    rollout_logprob - logprob over valid tokens."""
+    valid = response_mask.bool()
+    pg_losses = -_zero_masked(advantages, valid) * _zero_masked(logprob, valid)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * _zero_masked(rollout_is_weights.detach(), valid)
+    loss = agg_loss(pg_losses, valid, loss_agg_mode, batch_num_tokens=batch_num_tokens,
+                    global_batch_size=global_batch_size)
+    with torch.no_grad():
+        metrics = {"ppo_kl": masked_mean(rollout_logprob - logprob, valid)}
     return loss, metrics

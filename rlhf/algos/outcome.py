@@ -28,12 +28,12 @@ from rlhf.algos.masked import _float, _zero_masked, masked_whiten
 Tensor = torch.Tensor
 
 
-def _totals_and_groups(token_level_rewards: Tensor, response_mask: Tensor, group_ids: Optional[GroupIds],
+def _totals_and_groups(token_level_rewards: Tensor, reward_mask: Tensor, group_ids: Optional[GroupIds],
                        name: str) -> tuple[Tensor, Tensor, Tensor]:
-    """(R (B,), group index (B,), group sizes (G,)) of a batch."""
+    """(R (B,), group index (B,), group sizes (G,)) of a batch; R sums over `reward_mask`."""
     if group_ids is None:
         raise ValueError(f"advantage estimator '{name}' needs group_ids (one id per prompt's group of responses)")
-    totals = _float(_zero_masked(token_level_rewards, response_mask)).sum(-1)  # (B,)
+    totals = _float(_zero_masked(token_level_rewards, reward_mask)).sum(-1)  # (B,)
     group = _group_index(group_ids, totals.shape[0], totals.device)  # (B,)
     return totals, group, torch.bincount(group).to(totals.dtype)
 
@@ -44,14 +44,16 @@ def _group_mean(totals: Tensor, group: Tensor, count: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def compute_rloo_outcome_advantage(token_level_rewards: Tensor, response_mask: Tensor, group_ids: GroupIds
-                                   ) -> tuple[Tensor, Tensor]:
+def compute_rloo_outcome_advantage(token_level_rewards: Tensor, response_mask: Tensor, group_ids: GroupIds,
+                                   reward_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """RLOO advantages: R_i minus the mean of the other responses of its group.
 
-    token_level_rewards, response_mask: (B, T); group_ids: (B,). Returns (advantages,
-    returns), both (B, T), equal, 0 at masked positions.
+    token_level_rewards, response_mask: (B, T); group_ids: (B,); R_i sums the rewards over
+    `reward_mask` (default response_mask). Returns (advantages, returns), both (B, T),
+    equal, 0 at masked positions.
     """
-    totals, group, count = _totals_and_groups(token_level_rewards, response_mask, group_ids, "rloo")
+    totals_mask = response_mask if reward_mask is None else reward_mask
+    totals, group, count = _totals_and_groups(token_level_rewards, totals_mask, group_ids, "rloo")
     n = count[group]  # (B,)
     loo = (totals - _group_mean(totals, group, count)) * n / (n - 1).clamp_min(1)
     adv = torch.where(n > 1, loo, totals)
@@ -62,15 +64,17 @@ def compute_rloo_outcome_advantage(token_level_rewards: Tensor, response_mask: T
 @torch.no_grad()
 def compute_reinforce_plus_plus_baseline_outcome_advantage(
     token_level_rewards: Tensor, response_mask: Tensor, group_ids: GroupIds,
-    whiten: Callable[[Tensor, Tensor], Tensor] = masked_whiten,
+    whiten: Callable[[Tensor, Tensor], Tensor] = masked_whiten, reward_mask: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """REINFORCE++-baseline: (R_i - group mean), broadcast over tokens, whitened over the batch.
 
     token_level_rewards, response_mask: (B, T); group_ids: (B,). `whiten(x, mask)` whitens
-    over valid tokens (the trainer passes one over all ranks). Returns (advantages,
-    returns), both (B, T), equal, 0 at masked positions.
+    over valid tokens (the trainer passes one over all ranks); R_i sums over `reward_mask`
+    (default response_mask). Returns (advantages, returns), both (B, T), equal, 0 at
+    masked positions.
     """
-    totals, group, count = _totals_and_groups(token_level_rewards, response_mask, group_ids,
+    totals_mask = response_mask if reward_mask is None else reward_mask
+    totals, group, count = _totals_and_groups(token_level_rewards, totals_mask, group_ids,
                                               "reinforce_plus_plus_baseline")
     mean = torch.where(count[group] > 1, _group_mean(totals, group, count), torch.zeros_like(totals))
     tiled = _zero_masked((totals - mean).unsqueeze(-1).expand(response_mask.shape), response_mask)
@@ -81,18 +85,18 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
 @ADV_ESTIMATORS.register("rloo")
 def rloo_estimator(token_level_rewards: Tensor, response_mask: Tensor, *, values: Optional[Tensor] = None,
                    group_ids: Optional[GroupIds] = None, gamma: float = 1.0, lam: float = 1.0,
-                   norm_by_std: bool = True, whiten: Callable[[Tensor, Tensor], Tensor] = masked_whiten
-                   ) -> tuple[Tensor, Tensor]:
+                   norm_by_std: bool = True, whiten: Callable[[Tensor, Tensor], Tensor] = masked_whiten,
+                   reward_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """RLOO on each response's total reward (critic values, gamma, lam and whitening unused)."""
-    return compute_rloo_outcome_advantage(token_level_rewards, response_mask, group_ids)
+    return compute_rloo_outcome_advantage(token_level_rewards, response_mask, group_ids, reward_mask)
 
 
 @ADV_ESTIMATORS.register("reinforce_plus_plus_baseline")
 def reinforce_pp_baseline_estimator(token_level_rewards: Tensor, response_mask: Tensor, *,
                                     values: Optional[Tensor] = None, group_ids: Optional[GroupIds] = None,
                                     gamma: float = 1.0, lam: float = 1.0, norm_by_std: bool = True,
-                                    whiten: Callable[[Tensor, Tensor], Tensor] = masked_whiten
-                                    ) -> tuple[Tensor, Tensor]:
+                                    whiten: Callable[[Tensor, Tensor], Tensor] = masked_whiten,
+                                    reward_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """REINFORCE++-baseline on each response's total reward, whitened by `whiten`."""
     return compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards, response_mask, group_ids,
-                                                                  whiten)
+                                                                  whiten, reward_mask)

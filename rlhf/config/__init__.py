@@ -13,7 +13,9 @@ that turns batch settings into per-GPU sizes and checks that they divide.
 - `keys`: the unknown-key check of configs decoded outside `load_config`.
 - `verl_keys`: verl's own key names mapped onto this tree.
 - `load`: `load_config`, `from_dict`, `replace`, `save_config`, `parse_override`.
-- `checks`: `validate`, `correction_settings` and the rollout-correction presets.
+- `checks`: `validate` and `GROUP_ESTIMATORS`.
+- `correction`: verl's rollout-correction presets and `correction_settings`, the correction
+  a config puts in effect; `correction_spec` parses its criteria and threshold strings.
 - `ranges`: the valid range of every numeric key (checked by `load` beside `checks`).
 - `sizes`: `derive_sizes`, `Sizes`, `rounds_for_epochs`, `resolve_epochs`.
 - `redact`: credentials kept out of what a run stores and prints.
@@ -28,7 +30,8 @@ the submodules import each other directly, never this package.
 """
 
 from rlhf.config import decoding as _decoding
-from rlhf.config.checks import GROUP_ESTIMATORS, ROLLOUT_CORRECTION_PRESETS, correction_settings, validate
+from rlhf.config.checks import GROUP_ESTIMATORS, validate
+from rlhf.config.correction import ROLLOUT_CORRECTION_PRESETS, correction_settings
 from rlhf.config.load import from_dict, load_config, parse_override, replace, save_config
 from rlhf.config.schema import (
     _CHOICES,

@@ -20,6 +20,7 @@ from typing import Any, get_args, get_origin
 import yaml
 
 from rlhf.config.checks import validate
+from rlhf.config.correction import correction_settings
 from rlhf.config.ranges import check_ranges, warn_repeated
 from rlhf.config.schema import ConfigError, PPOConfig, _all_keys, _hints, _key_names, _unknown, flatten, to_dict
 
@@ -126,7 +127,19 @@ def parse_override(text: str) -> tuple[str, Any]:
         value = raw
     if isinstance(value, str) and _looks_like_float(raw):
         value = float(raw)
+    _refuse_unquoted_bounds(key, raw, value)
     return key, value
+
+
+_BOUND_KEYS = ("rollout_is_threshold", "rollout_rs_threshold")  # verl's 'lower_upper' strings
+
+
+def _refuse_unquoted_bounds(key: str, raw: str, value: Any) -> None:
+    """`rollout_is_threshold=0.5_2` reads as the number 0.52 (YAML and Hydra allow `_` in
+    numbers), which no one means: the bounds 0.5 and 2 are the quoted string '0.5_2'."""
+    if key.rsplit(".", 1)[-1] in _BOUND_KEYS and isinstance(value, (int, float)) and "_" in raw:
+        raise ConfigError(f"override '{key}={raw}' reads as the number {value!r}; for the bounds lower_upper "
+                          f"quote it ({key}='{raw.strip()}'), for a number write it without '_'")
 
 
 def _looks_like_float(raw: str) -> bool:
@@ -175,6 +188,7 @@ def from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> PPOCon
             _set_dotted(tree, key, value)
     cfg = _build(PPOConfig, tree)
     validate(cfg)
+    correction_settings(cfg)  # raises on a bad preset, conflicting keys or a value verl refuses
     check_ranges(flatten(cfg))
     return cfg
 

@@ -48,13 +48,8 @@ RANGES: dict[str, str] = {
     "ref.log_prob_micro_batch_size_per_gpu": _NONNEG, "rollout.generate_batch_size": _POS, "rollout.val_temperature": _NONNEG,
     "algorithm.gamma": "[0, 1]", "algorithm.lam": "[0, 1]",
     "algorithm.kl_ctrl.kl_coef": _NONNEG, "algorithm.kl_ctrl.target_kl": "(0, inf)",
-    "algorithm.kl_ctrl.horizon": _POS, "algorithm.rollout_correction.rollout_is_threshold": "(0, inf)",
-    # Ratio bounds (null: the default the comment names); 0 < lower <= upper is checked in correction_settings.
-    "algorithm.rollout_correction.rollout_rs_threshold": "(0, inf)",
-    "algorithm.rollout_correction.rollout_rs_threshold_lower": "(0, inf)",
-    # A veto at or above 1 drops every response with one token the trainer finds less likely than the
-    # rollout did, nearly all of them: the update would train on nothing.
-    "algorithm.rollout_correction.rollout_token_veto_threshold": "(0, 1)",
+    "algorithm.kl_ctrl.horizon": _POS,
+    # algorithm.rollout_correction's thresholds are strings (verl's 'lower_upper'): rlhf.config.correction checks them.
     "reward.format_score": _ANY, "reward.score": _ANY, "reward.model_batch_size": _POS,
     "trainer.total_rounds": _POS, "trainer.total_epochs": _NONNEG, "trainer.steps_per_round": _POS,
     "trainer.test_freq": "-1 | [1, inf)", "trainer.critic_warmup": _NONNEG,

@@ -173,20 +173,21 @@ class KLCtrlConfig:
 @dataclass(frozen=True)
 class RolloutCorrectionConfig:
     """Importance weights and rejection for samples whose log-probs (rollout engine, stored
-    table) differ from the trainer's (`rlhf.algos.correction`; verl's names). On by default
-    as token-level truncated IS at 2.0 (verl's `decoupled_token_is`, TRL's default-on vLLM
-    correction): when the engines agree the weights are 1 and nothing changes; when they
-    do not (bf16 or vLLM kernels, stale or offline data) the bias is corrected."""
+    table) differ from the trainer's: verl 0.9.1's `algorithm.rollout_correction`, key for
+    key (`rlhf.config.correction` parses it, `rlhf.algos.correction` computes it). On by
+    default as token-level truncated IS at 2.0 (verl's `decoupled_token_is`, TRL's
+    default-on vLLM correction): when the engines agree the weights are 1 and nothing
+    changes; when they do not (bf16 or vLLM kernels, stale or offline data) the bias is
+    corrected. The thresholds are strings because verl's may be "lower_upper"."""
 
-    preset: str = ""  # a named setting (verl's presets), e.g. decoupled_seq_is_rs; "" => the fields below
+    preset: str = ""  # one of verl's RolloutCorrectionConfig presets, e.g. decoupled_seq_is_rs; "" => the fields below
     rollout_is: Optional[str] = "token"  # IS weights: "token" | "sequence" | null (off)
-    rollout_is_threshold: float = 2.0  # upper cap of the IS weights (truncated IS)
+    rollout_is_threshold: Optional[str] = "2.0"  # a number (truncation cap) or a quoted 'lower_upper' (IcePop, e.g. '0.5_5.0')
     rollout_is_batch_normalize: bool = False  # divide the weights by their batch mean
-    rollout_rs: Optional[str] = None  # rejection: "token" | "sequence" | "geometric" | null (off)
-    rollout_rs_threshold: Optional[float] = None  # rejection upper bound; null => rollout_is_threshold
-    rollout_rs_threshold_lower: Optional[float] = None  # rejection lower bound; null => 1 / upper
-    rollout_token_veto_threshold: Optional[float] = None  # drop a response with any token ratio below this
-    bypass_mode: bool = False  # PPO ratio anchored at the rollout log-probs (no trainer recompute, no IS)
+    rollout_rs: Optional[str] = None  # rejection criteria, comma-separated: token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2..3; null (off)
+    rollout_rs_threshold: Optional[str] = None  # one per criterion or one for all, comma-separated; k1: 'lower_upper' or upper (lower 1/upper)
+    bypass_mode: bool = False  # PPO anchored at the rollout log-probs; correction computed in the loss against the current policy
+    loss_type: str = "ppo_clip"  # bypass mode's policy loss: "ppo_clip" | "reinforce" (IS-weighted, no clipping)
 
 
 @dataclass(frozen=True)
@@ -278,7 +279,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "rollout.name": ("hf", "hf_fast", "vllm"),
     "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus_baseline"),
     "algorithm.rollout_correction.rollout_is": (None, "token", "sequence"),
-    "algorithm.rollout_correction.rollout_rs": (None, "token", "sequence", "geometric"),
+    "algorithm.rollout_correction.loss_type": ("ppo_clip", "reinforce"),
     "algorithm.kl_penalty": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
     "actor.kl_loss_type": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),

@@ -30,8 +30,7 @@ VERL_KEYS: dict[str, str] = {
     **{f"{_AR}.actor.{k}": f"actor.{k}" for k in (
         "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz", "ppo_max_token_len_per_gpu",
         "ppo_epochs", "clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "entropy_coeff",
-        "grad_clip", "loss_agg_mode", "use_kl_loss", "kl_loss_coef", "kl_loss_type", "shuffle",
-        "tis_imp_ratio_cap")},
+        "grad_clip", "loss_agg_mode", "use_kl_loss", "kl_loss_coef", "kl_loss_type", "shuffle")},
     **{f"{_AR}.rollout.{k}": f"rollout.{k}" for k in (
         "name", "n", "temperature", "top_p", "top_k", "tensor_model_parallel_size", "gpu_memory_utilization",
         "max_num_batched_tokens", "log_prob_micro_batch_size_per_gpu")},
@@ -49,6 +48,29 @@ VERL_KEYS: dict[str, str] = {
 
 _SECTIONS_ONLY_IN_VERL = (f"{_AR}.", "reward_model.", "custom_reward_function.", "ray_init.", "ray_kwargs.",
                           "global_profiler.", "critic.model.", "critic.optim.")
+
+_RC = "algorithm.rollout_correction"
+# Rollout-correction keys of earlier verl releases (and of this project's earlier schema) that
+# verl 0.9.1 no longer has: Hydra refuses them there, so they are refused here, with the new spelling.
+_OLDER_CORRECTION_KEYS: dict[str, str] = {
+    "algorithm.rollout_is": f"verl 0.9.1 moved it to {_RC}.rollout_is (token, sequence or null)",
+    "algorithm.rollout_is_threshold": f"verl 0.9.1 moved it to {_RC}.rollout_is_threshold",
+    "algorithm.rollout_is_threshold_lower": f"verl 0.9.1 writes both bounds in {_RC}.rollout_is_threshold "
+                                            "as a quoted 'lower_upper' (IcePop)",
+    "algorithm.rollout_is_level": f"verl 0.9.1 sets the level with {_RC}.rollout_is (token or sequence) and "
+                                  f"rejection with {_RC}.rollout_rs (e.g. seq_mean_k1 for the former geometric level)",
+    "algorithm.rollout_is_mode": f"verl 0.9.1 has no mode: {_RC}.rollout_is_threshold truncates (a number), "
+                                 f"zeroes outside bounds ('lower_upper'), and {_RC}.rollout_rs rejects",
+    "algorithm.rollout_is_veto_threshold": f"verl 0.9.1 has no veto; {_RC}.rollout_rs=seq_max_k2 or seq_max_k3 "
+                                           "drops a response by its most divergent token",
+    f"{_RC}.rollout_token_veto_threshold": f"verl 0.9.1 has no veto; {_RC}.rollout_rs=seq_max_k2 or seq_max_k3 "
+                                           "drops a response by its most divergent token",
+    f"{_RC}.rollout_rs_threshold_lower": f"verl 0.9.1 writes both bounds in {_RC}.rollout_rs_threshold as a "
+                                         "quoted 'lower_upper' (k1 criteria)",
+    f"{_AR}.actor.tis_imp_ratio_cap": f"verl 0.9.1 has no such key; set {_RC}.rollout_is=token and "
+                                      f"{_RC}.rollout_is_threshold=<cap> (this project's actor.tis_imp_ratio_cap "
+                                      "means the same)",
+}
 
 # verl key -> why it has no counterpart here (and what to set instead).
 REFUSED: dict[str, str] = {
@@ -77,6 +99,7 @@ REFUSED: dict[str, str] = {
     f"{_AR}.rollout.prompt_length": "set data.max_prompt_length",
     "data.custom_cls.path": "datasets are parquet files in verl's layout; no custom dataset class is loaded",
     "data.tokenizer": "the tokenizer is the one saved beside the policy (model.path)",
+    **_OLDER_CORRECTION_KEYS,
 }
 
 # verl key -> (the only value accepted, the reason).
@@ -85,18 +108,21 @@ FIXED: dict[str, tuple[Any, str]] = {
     "data.reward_fn_key": ("data_source", "the reward function is chosen by 'data_source' (verl's default)"),
     f"{_AR}.hybrid_engine": (True, "rollout and update always share the process and the GPUs here"),
     "reward_model.enable": (None, ""),  # either value: a reward model is used where rows ask for one
+    f"{_AR}.rollout.calculate_log_probs": (True, "the rollout's log-probs are always kept here; to train without "
+                                                 "rollout correction set algorithm.rollout_correction.preset=disabled"),
 }
 
 
 def _leaves(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
     """(dotted key, value) of every non-mapping value in a nested mapping; an empty or
-    null section is dropped (it sets nothing)."""
+    null section is dropped (it sets nothing), except a null `algorithm.rollout_correction`,
+    which in verl switches the correction off."""
     if not isinstance(tree, dict):
         return [(prefix, tree)]
     out: list[tuple[str, Any]] = []
     for k, v in tree.items():
         key = f"{prefix}.{k}" if prefix else str(k)
-        if isinstance(v, dict) or (v is None and key in _OUR_SECTIONS):
+        if isinstance(v, dict) or (v is None and key in _OUR_SECTIONS and key != _RC):
             out += _leaves(v or {}, key)
         else:
             out.append((key, v))
@@ -112,6 +138,8 @@ def translate_key(key: str, value: Any) -> tuple[str, Any] | None:
     accepted but sets nothing (`FIXED` at its built-in value). Raises `ConfigError` for a
     verl key with no counterpart, naming it and the reason. Unknown keys pass through, for
     the config's own unknown-key check to report with the closest name."""
+    if key == _RC and value is None:  # verl: no rollout_correction section, no correction
+        return f"{_RC}.preset", "disabled"
     if key in _OUR_KEYS:
         return key, value
     if key in VERL_KEYS:
@@ -164,8 +192,8 @@ def translate_tree(tree: dict) -> dict:
 
 
 def _has_verl_leaf(leaves: list[tuple[str, Any]]) -> bool:
-    return any(k not in _OUR_KEYS and (k in VERL_KEYS or k in REFUSED or k in FIXED or
-                                       k.startswith(_SECTIONS_ONLY_IN_VERL)) for k, _ in leaves)
+    return any(k not in _OUR_KEYS and (k in VERL_KEYS or k in REFUSED or k in FIXED or (k == _RC and v is None) or
+                                       k.startswith(_SECTIONS_ONLY_IN_VERL)) for k, v in leaves)
 
 
 def _get(tree: dict, key: str) -> Any:

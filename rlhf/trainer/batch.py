@@ -30,7 +30,15 @@ class PPOBatch:
     advantages: Optional[torch.Tensor] = None  # (B, R)
     returns: Optional[torch.Tensor] = None  # (B, R)
     rollout_is_weights: Optional[torch.Tensor] = None  # (B, R) rollout-correction IS weights
-    loss_mask: Optional[torch.Tensor] = None  # (B, R) response_mask minus rejected tokens (actor loss)
+    loss_mask: Optional[torch.Tensor] = None  # (B, R) response_mask minus rollout-rejected tokens
+
+    @property
+    def train_mask(self) -> torch.Tensor:
+        """(B, R) the tokens that train: `response_mask` minus those rollout correction rejected.
+        It is the mask of the advantage estimator, the critic and the actor alike (verl replaces
+        its response_mask with it before computing advantages); `response_mask` itself keeps
+        the tokens the forward passes score."""
+        return self.loss_mask if self.loss_mask is not None else self.response_mask
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

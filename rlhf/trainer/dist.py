@@ -130,6 +130,15 @@ def all_gather_object(obj) -> list:
     return out
 
 
+def masked_mean_global(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of `x` over all ranks' masked entries (0-dim), as one process would compute it
+    over the whole batch."""
+    valid = mask.bool()
+    stats = torch.stack([torch.where(valid, x, torch.zeros_like(x)).sum(), valid.sum()]).double()
+    s, n = all_reduce_sum(stats).tolist()
+    return torch.tensor(s / max(n, 1.0), dtype=x.dtype, device=x.device)
+
+
 def masked_whiten_global(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """Whiten with mean and variance over all ranks' masked entries, so that a sharded batch
     gets exactly the advantages the whole batch would get in one process."""

@@ -4,13 +4,16 @@ A round's buffer holds `steps_per_round` steps of responses. The stages, each ti
 
 1. `behaviour_log_probs` - old log-probs of the round-start policy, for the whole buffer
    (computed before the first update, so every step of the round is off-policy from the
-   same behaviour policy; S = 1 is verl's on-policy PPO);
+   same behaviour policy; S = 1 is verl's on-policy PPO); in rollout correction's bypass
+   mode the rollout's own log-probs instead;
 2. `reference_log_probs` - the frozen reference, for the whole buffer;
-then per step: 3. `critic_values` with the current critic, 4. `advantages` (KL penalty in
-the reward, token-level rewards, then the `algorithm.adv_estimator` of `algos.ADV_ESTIMATORS`
-with whitening over all ranks), 5. `rollout_correction` (IS weights and rejection from the
-rollout log-probs, `rlhf.algos.correction`), 6. `update_critic`, 7. `update_actor` (not during
-the first `trainer.critic_warmup` steps). The KL controller moves once per step, as verl's does.
+then per step: 3. `critic_values` with the current critic, 4. `advantages`, in verl's order:
+`rewards` (the score at the last token, minus the KL penalty when `use_kl_in_reward`),
+`rollout_correction` (IS weights and rejection from the rollout log-probs,
+`rlhf.algos.correction`; the rejection mask then serves everything below), `estimate` (the
+`algorithm.adv_estimator` of `algos.ADV_ESTIMATORS`, whitening over all ranks),
+5. `update_critic`, 6. `update_actor` (not during the first `trainer.critic_warmup` steps).
+The KL controller moves once per step, as verl's does.
 
 How it departs from the textbook: advantages are whitened per step over the global batch
 (verl's `compute_gae_advantage_return`); a mini-batch whose loss or gradients are not
@@ -30,12 +33,13 @@ from typing import Iterator
 import torch
 
 from rlhf.algos.advantages import compute_advantages, compute_token_level_rewards
-from rlhf.algos.correction import compute_rollout_correction
+from rlhf.algos.correction import bypass_policy_loss, compute_rollout_correction
 from rlhf.algos.kl import kl_penalty, make_kl_controller
 from rlhf.algos.losses import agg_loss, policy_loss, value_loss
 from rlhf.algos.masked import explained_variance
-from rlhf.config.checks import correction_settings
-from rlhf.config.schema import PPOConfig
+from rlhf.algos.mismatch import log_prob_diff_metrics, probs_diff_metrics
+from rlhf.config.correction import correction_settings
+from rlhf.config.schema import ConfigError, PPOConfig
 from rlhf.config.sizes import Sizes
 from rlhf.trainer import dist as D
 from rlhf.trainer import forward as F
@@ -84,6 +88,11 @@ class PPOTrainer:
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
         self.correction = correction_settings(cfg)
+        if self.correction.bypass_mode and self.correction.rollout_is_batch_normalize and D.world()[1] > 1:
+            raise ConfigError("algorithm.rollout_correction: bypass_mode with rollout_is_batch_normalize normalises "
+                              "inside the loss, over each micro-batch; verl takes that mean over all data-parallel "
+                              "ranks, which needs equal micro-batch counts on every rank. Run on one rank or drop "
+                              "rollout_is_batch_normalize")
         self.global_step = 0  # PPO steps done (restored from the round state); critic_warmup counts these
         self.skipped_steps = 0  # PPO steps with at least one dropped (non-finite) update
         self._skipped_updates = 0  # dropped optimizer updates in the current step
@@ -102,7 +111,11 @@ class PPOTrainer:
 
     # -- stages ------------------------------------------------------------------------
     def behaviour_log_probs(self, buf: PPOBatch) -> PPOBatch:
-        if self.correction.bypass_mode and buf.rollout_log_probs is not None:
+        if self.correction.bypass_mode:
+            if buf.rollout_log_probs is None:
+                raise ValueError("algorithm.rollout_correction.bypass_mode anchors PPO at the rollout log-probs, but "
+                                 "these rollouts have none (a stored table without rollout_logprobs); keep them, or "
+                                 "turn bypass_mode off")
             return buf.with_(old_log_probs=buf.rollout_log_probs)  # PPO anchored at the sampler's log-probs
         with self.timer("old_log_prob"):
             self.actor.module.eval()
@@ -128,51 +141,69 @@ class PPOTrainer:
             v = F.batched_values(self.critic.module, batch, **kw)
         return batch.with_(values=v)
 
-    def advantages(self, batch: PPOBatch) -> tuple[PPOBatch, dict[str, float]]:
-        """Token-level rewards (score at the last response token, minus the KL penalty when
-        `use_kl_in_reward`), then GAE or GRPO advantages."""
+    def rewards(self, batch: PPOBatch) -> tuple[PPOBatch, dict[str, float]]:
+        """Token-level rewards: the score at the last response token, minus `kl_coef` x the KL
+        penalty when `use_kl_in_reward` (verl's `apply_kl_penalty`); the KL controller moves."""
         alg, mask = self.cfg.algorithm, batch.response_mask
         metrics: dict[str, float] = {}
-        with self.timer("adv"):
-            kl = None
-            if batch.ref_log_probs is not None:
-                kl = kl_penalty(batch.old_log_probs, batch.ref_log_probs, alg.kl_penalty) * mask
-            in_reward = alg.use_kl_in_reward and kl is not None
-            rewards, _ = compute_token_level_rewards(batch.scores, mask, kl=kl if in_reward else None,
-                                                           kl_coef=self.kl_ctrl.value if in_reward else 0.0)
-            if kl is not None:
-                tok = D.all_reduce_sum(torch.stack([kl.sum(), mask.sum()]))
-                seq_kl = D.all_reduce_sum(torch.stack([(kl.sum(-1) / mask.sum(-1).clamp(min=1)).sum(),
-                                                       torch.tensor(float(len(batch)), device=kl.device)]))
-                current_kl = float(seq_kl[0] / seq_kl[1])
-                metrics["actor/reward_kl_penalty"] = float(tok[0] / tok[1].clamp(min=1))
-                metrics["actor/reward_kl_penalty_coeff"] = self.kl_ctrl.value if in_reward else 0.0
-                metrics["actor/current_kl"] = current_kl
-                if in_reward and math.isfinite(current_kl):
-                    self.kl_ctrl.update(current_kl=current_kl, n_steps=self.sizes.responses_per_step)
-            adv, ret = compute_advantages(alg.adv_estimator, rewards, mask, values=batch.values,
-                                                group_ids=batch.group_ids, gamma=alg.gamma, lam=alg.lam,
-                                                norm_by_std=alg.norm_adv_by_std_in_grpo,
-                                                whiten=D.masked_whiten_global)
-        metrics.update(_stats("critic/rewards", rewards.sum(-1)))
+        kl = None
+        if batch.ref_log_probs is not None:
+            kl = kl_penalty(batch.old_log_probs, batch.ref_log_probs, alg.kl_penalty) * mask
+        in_reward = alg.use_kl_in_reward and kl is not None
+        rewards, _ = compute_token_level_rewards(batch.scores, mask, kl=kl if in_reward else None,
+                                                 kl_coef=self.kl_ctrl.value if in_reward else 0.0)
+        if kl is not None:  # mean over responses of each response's token-mean KL, over all ranks (verl)
+            seq_kl = D.all_reduce_sum(torch.stack([(kl.sum(-1) / mask.sum(-1).clamp(min=1)).sum(),
+                                                   torch.tensor(float(len(batch)), device=kl.device)]))
+            current_kl = float(seq_kl[0] / seq_kl[1])
+            metrics["actor/reward_kl_penalty"] = current_kl
+            metrics["actor/reward_kl_penalty_coeff"] = self.kl_ctrl.value if in_reward else 0.0
+            metrics["actor/current_kl"] = current_kl
+            if in_reward and math.isfinite(current_kl):
+                self.kl_ctrl.update(current_kl=current_kl, n_steps=self.sizes.responses_per_step)
+        return batch.with_(token_level_rewards=rewards), metrics
+
+    def rollout_correction(self, batch: PPOBatch) -> tuple[PPOBatch, dict[str, float]]:
+        """IS weights and the rejection mask from the rollout log-probs against the PPO anchor
+        (`old_log_probs`), before the advantages (verl's decoupled mode). A batch without
+        rollout log-probs is left as it is; in bypass mode the loss corrects instead."""
+        if batch.rollout_log_probs is None or self.correction.bypass_mode:
+            return batch, {}
+        rc = self.correction
+        old, roll, mask = batch.old_log_probs, batch.rollout_log_probs, batch.response_mask
+        corr, metrics = compute_rollout_correction(
+            old, roll, mask, rc.rollout_is, rc.rollout_is_threshold, rc.rollout_is_batch_normalize, rc.rollout_rs,
+            rc.rollout_rs_threshold, batch_mean=D.masked_mean_global)
+        metrics.update(probs_diff_metrics(old, roll, mask))
+        metrics.update(log_prob_diff_metrics(old, roll, mask))
+        return batch.with_(rollout_is_weights=corr.weights, loss_mask=corr.mask), metrics
+
+    def estimate(self, batch: PPOBatch) -> tuple[PPOBatch, dict[str, float]]:
+        """The `algorithm.adv_estimator` over the tokens that train (`train_mask`); the group
+        estimators sum each response's rewards over its whole response, rejected tokens
+        included, as verl's do."""
+        alg, mask = self.cfg.algorithm, batch.train_mask
+        adv, ret = compute_advantages(alg.adv_estimator, batch.token_level_rewards, mask, values=batch.values,
+                                      group_ids=batch.group_ids, gamma=alg.gamma, lam=alg.lam,
+                                      norm_by_std=alg.norm_adv_by_std_in_grpo, whiten=D.masked_whiten_global,
+                                      reward_mask=batch.response_mask)
+        metrics = _stats("critic/rewards", batch.token_level_rewards.sum(-1))
         metrics.update(_stats("critic/advantages", adv, mask))
         metrics.update(_stats("critic/returns", ret, mask))
         if batch.values is not None:
             metrics.update(_stats("critic/values", batch.values, mask))
-        return batch.with_(token_level_rewards=rewards, advantages=adv, returns=ret), metrics
+        return batch.with_(advantages=adv, returns=ret), metrics
 
-    def rollout_correction(self, batch: PPOBatch) -> tuple[PPOBatch, dict[str, float]]:
-        """IS weights and the rejection mask from the rollout log-probs against the PPO anchor
-        (`old_log_probs`); a batch without rollout log-probs is left as it is."""
-        if batch.rollout_log_probs is None:
-            return batch, {}
-        rc = self.correction
-        corr, metrics = compute_rollout_correction(
-            batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, rc.rollout_is,
-            rc.rollout_is_threshold, rc.rollout_is_batch_normalize, rc.rollout_rs, rc.rollout_rs_threshold,
-            rc.rollout_rs_threshold_lower, rc.rollout_token_veto_threshold)
-        weights = corr.weights if rc.rollout_is is not None else None
-        return batch.with_(rollout_is_weights=weights, loss_mask=corr.mask), metrics
+    def advantages(self, batch: PPOBatch) -> tuple[PPOBatch, dict[str, float]]:
+        """verl's advantage stage, in its order: rewards (KL penalty), rollout correction, the
+        estimator; one rejection mask then serves the estimator, the critic and the actor."""
+        with self.timer("adv"):
+            batch, metrics = self.rewards(batch)
+            batch, m = self.rollout_correction(batch)
+            metrics.update(m)
+            batch, m = self.estimate(batch)
+        metrics.update(m)
+        return batch, metrics
 
     def _mini_batches(self, batch: PPOBatch) -> list[PPOBatch]:
         """Consecutive mini-batches; with `actor.shuffle` the rows are reshuffled first (a new
@@ -186,22 +217,45 @@ class PPOTrainer:
         a = self.cfg.actor
         return F.micro_batches(mini, micro, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu)
 
-    def _actor_loss(self, mb: PPOBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        a = self.cfg.actor
-        want_entropy = True
-        lp, ent = F.log_probs(self.actor, mb, self.cfg.rollout.temperature, self._packed, with_entropy=want_entropy)
+    def _denominators(self, mb: PPOBatch) -> dict[str, float]:
+        """What verl's engine divides the losses by, from the mask before any rejection: the
+        sequence means count a response the correction rejected whole (verl's
+        `global_batch_size` is the mini-batch's), and in bypass mode the token mean counts the
+        tokens the loss itself rejects (verl's token count is taken before the loss runs)."""
+        d = {"global_batch_size": float((mb.response_mask.sum(-1) > 0).sum().clamp_min(1))}
+        if self.correction.bypass_mode:
+            d["batch_num_tokens"] = float(mb.response_mask.sum().clamp_min(1))
+        return d
+
+    def _pg_loss(self, lp: torch.Tensor, mb: PPOBatch) -> tuple[torch.Tensor, dict]:
+        """The policy-gradient term: PPO's clipped surrogate with the IS weights over the
+        tokens that train, or in bypass mode verl's `bypass_mode` loss, which corrects
+        against the current policy itself."""
+        a, rc = self.cfg.actor, self.correction
         low = a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio
         high = a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio
-        mask = mb.loss_mask if mb.loss_mask is not None else mb.response_mask  # rejected tokens leave the loss
-        pg_loss, m = policy_loss(lp, mb.old_log_probs, mb.advantages, mask, low, high,
-                                       a.clip_ratio_c, a.loss_agg_mode, rollout_is_weights=mb.rollout_is_weights)
-        entropy = agg_loss(ent, mask, a.loss_agg_mode)
+        if rc.bypass_mode:
+            return bypass_policy_loss(lp, mb.old_log_probs, mb.advantages, mb.train_mask, low, high, a.clip_ratio_c,
+                                      a.loss_agg_mode, loss_type=rc.loss_type, rollout_is=rc.rollout_is,
+                                      rollout_is_threshold=rc.rollout_is_threshold,
+                                      rollout_is_batch_normalize=rc.rollout_is_batch_normalize,
+                                      rollout_rs=rc.rollout_rs, rollout_rs_threshold=rc.rollout_rs_threshold,
+                                      **self._denominators(mb))
+        return policy_loss(lp, mb.old_log_probs, mb.advantages, mb.train_mask, low, high, a.clip_ratio_c,
+                           a.loss_agg_mode, rollout_is_weights=mb.rollout_is_weights, **self._denominators(mb))
+
+    def _actor_loss(self, mb: PPOBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        a = self.cfg.actor
+        lp, ent = F.log_probs(self.actor, mb, self.cfg.rollout.temperature, self._packed, with_entropy=True)
+        mask, denominators = mb.train_mask, self._denominators(mb)
+        pg_loss, m = self._pg_loss(lp, mb)
+        entropy = agg_loss(ent, mask, a.loss_agg_mode, **denominators)
         loss = pg_loss - a.entropy_coeff * entropy
         metrics = {"actor/pg_loss": float(pg_loss.detach()), "actor/entropy": float(entropy.detach()),
-                   **{f"actor/{k}": float(v) for k, v in m.items()}}
+                   **{(k if "/" in k else f"actor/{k}"): float(v) for k, v in m.items()}}
         if a.use_kl_loss and mb.ref_log_probs is not None:
             kl = kl_penalty(lp, mb.ref_log_probs, a.kl_loss_type)
-            kl_loss = agg_loss(kl, mask, a.loss_agg_mode)
+            kl_loss = agg_loss(kl, mask, a.loss_agg_mode, **denominators)
             loss = loss + a.kl_loss_coef * kl_loss
             metrics["actor/kl_loss"] = float(kl_loss.detach())
             metrics["actor/kl_coef"] = a.kl_loss_coef
@@ -210,7 +264,8 @@ class PPOTrainer:
     def _critic_loss(self, mb: PPOBatch) -> tuple[torch.Tensor, dict[str, float]]:
         c = self.cfg.critic
         v = F.values(self.critic, mb, self._packed)
-        loss, m = value_loss(v, mb.values, mb.returns, mb.response_mask, c.cliprange_value, c.loss_agg_mode)
+        loss, m = value_loss(v, mb.values, mb.returns, mb.train_mask, c.cliprange_value, c.loss_agg_mode,
+                             global_batch_size=self._denominators(mb)["global_batch_size"])
         return loss, {"critic/vf_loss": float(loss.detach()), **{f"critic/{k}": float(x) for k, x in m.items()}}
 
     def _optimize(self, engine, guard: NonFiniteGuard, batch: PPOBatch, epochs: int, micro: int, loss_fn,
@@ -268,8 +323,7 @@ class PPOTrainer:
         with self.timer("update_critic"):
             m = self._optimize(self.critic, self.critic_guard, batch, self.cfg.critic.ppo_epochs,
                                self.cfg.critic.ppo_micro_batch_size_per_gpu, self._critic_loss, "critic")
-        m["critic/vf_explained_var"] = float(explained_variance(batch.values, batch.returns,
-                                                                      batch.response_mask))
+        m["critic/vf_explained_var"] = float(explained_variance(batch.values, batch.returns, batch.train_mask))
         return m
 
     # -- composition -----------------------------------------------------------------------
@@ -279,8 +333,6 @@ class PPOTrainer:
         self._skipped_updates = 0
         batch = self.critic_values(batch)
         batch, metrics = self.advantages(batch)
-        batch, corr_metrics = self.rollout_correction(batch)
-        metrics.update(corr_metrics)
         metrics.update(self.update_critic(batch))
         if self.global_step >= self.cfg.trainer.critic_warmup:
             metrics.update(self.update_actor(batch))

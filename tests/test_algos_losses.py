@@ -40,7 +40,8 @@ from test_algos import LN2, M, X, close, garble, t
         ("token-mean", 7 / 3),  # (1 + 2 + 4) / 3 tokens
         ("seq-mean-token-sum", 3.5),  # (3 + 4) / 2 non-empty sequences
         ("seq-mean-token-mean", 2.75),  # (1.5 + 4) / 2
-        ("seq-mean-token-sum-norm", 7 / 3),  # (3 + 4) / T=3
+        ("token-sum", 7.0),  # 1 + 2 + 4
+        ("seq-mean-token-sum-norm", 7 / 6),  # (3 + 4) / 2 sequences / T=3
     ],
 )
 def test_agg_loss_hand(mode, expected):
@@ -52,14 +53,31 @@ def test_agg_loss_global_denominators():
     close(agg_loss(x, m, "token-mean", batch_num_tokens=7), 1.0)
     close(agg_loss(x, m, "seq-mean-token-sum", global_batch_size=4), 7 / 4)
     close(agg_loss(x, m, "seq-mean-token-mean", global_batch_size=11), 5.5 / 11)
-    close(agg_loss(x, m, "seq-mean-token-sum-norm", loss_scale_factor=7), 1.0)
+    close(agg_loss(x, m, "seq-mean-token-sum-norm", loss_scale_factor=7), 0.5)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+@pytest.mark.parametrize("denominators", [{}, {"batch_num_tokens": 23.0, "global_batch_size": 9.0, "loss_scale_factor": 5.0}])
+def test_agg_loss_equals_verl(mode, denominators):
+    """verl 0.9.1's own `agg_loss` (one data-parallel rank) on random losses with empty rows and
+    garbage at masked positions."""
+    from verl_reference import core_algos
+
+    g = torch.Generator().manual_seed(7)
+    loss_mat = torch.randn(6, 9, generator=g, dtype=torch.float64)
+    mask = (torch.rand(6, 9, generator=g) < 0.6).double()
+    mask[2] = 0.0
+    loss_mat = torch.where(mask.bool(), loss_mat, torch.full_like(loss_mat, 1e6))
+    ours = agg_loss(loss_mat, mask, mode, **denominators)
+    theirs = core_algos.agg_loss(loss_mat, mask, mode, **denominators)
+    close(ours, float(theirs))
 
 
 def test_agg_loss_all_masked_is_zero_and_unknown_mode_raises():
     for mode in LOSS_AGG_MODES:
         close(agg_loss(t(X), torch.zeros(3, 3), mode), 0.0)
     with pytest.raises(ValueError, match="token-mean, seq-mean-token-sum"):
-        agg_loss(t(X), t(M), "token-sum")
+        agg_loss(t(X), t(M), "token-median")
 
 
 # ---------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from rlhf.algos.masked import _zero_masked, masked_mean
 
 Tensor = torch.Tensor
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def agg_loss(
@@ -36,9 +36,9 @@ def agg_loss(
     - seq-mean-token-sum: each sequence's token sum, averaged over sequences with at
       least one valid token (`global_batch_size` overrides that count).
     - seq-mean-token-mean: each sequence's token mean, averaged the same way.
-    - seq-mean-token-sum-norm (Dr. GRPO, arXiv:2503.20783): the sum of all sequences'
-      token sums divided by a constant, `loss_scale_factor` or else the mask's width T.
-      As in verl this is a sum over sequences, not a mean.
+    - token-sum: the sum over all valid tokens.
+    - seq-mean-token-sum-norm (Dr. GRPO, arXiv:2503.20783): seq-mean-token-sum divided by a
+      constant, `loss_scale_factor` or else the mask's width T (verl 0.9.1's definition).
     """
     valid = loss_mask.bool()
     seq_sum = _zero_masked(loss_mat, valid).sum(-1)  # (B,)
@@ -46,16 +46,19 @@ def agg_loss(
     if loss_agg_mode == "token-mean":
         n_tokens = seq_len.sum().clamp_min(1) if batch_num_tokens is None else batch_num_tokens
         return seq_sum.sum() / n_tokens
-    if loss_agg_mode == "seq-mean-token-sum-norm":
-        return seq_sum.sum() / (loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
-    if loss_agg_mode == "seq-mean-token-sum":
+    if loss_agg_mode == "token-sum":
+        return seq_sum.sum()
+    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
         per_seq = seq_sum
     elif loss_agg_mode == "seq-mean-token-mean":
         per_seq = seq_sum / seq_len.clamp_min(1)
     else:
         raise ValueError(f"unknown loss_agg_mode '{loss_agg_mode}'; known: {', '.join(LOSS_AGG_MODES)}")
     n_seqs = (seq_len > 0).sum().clamp_min(1) if global_batch_size is None else global_batch_size
-    return per_seq.sum() / n_seqs
+    loss = per_seq.sum() / n_seqs
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        loss = loss / (loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+    return loss
 
 
 def policy_loss(

@@ -79,6 +79,12 @@ REFUSED: dict[str, str] = {
     f"{_AR}.ref.fsdp_config.param_offload": "the reference shares the actor's placement here",
     "critic.ppo_mini_batch_size": "the critic steps on the actor's mini-batches: set "
                                   "actor_rollout_ref.actor.ppo_mini_batch_size (actor.ppo_mini_batch_size)",
+    **{f"critic.{k}": f"the critic follows the actor's setting here: set actor_rollout_ref.actor.{a}"
+       for k, a in (("use_dynamic_bsz", "use_dynamic_bsz"), ("shuffle", "shuffle"),
+                    ("ppo_max_token_len_per_gpu", "ppo_max_token_len_per_gpu"),
+                    ("forward_max_token_len_per_gpu", "ppo_max_token_len_per_gpu"),
+                    ("forward_micro_batch_size_per_gpu", "ppo_micro_batch_size_per_gpu (critic.ppo_micro_batch_size_per_gpu "
+                                                         "sets the critic's)"))},
     f"{_AR}.actor.grad_clip": "verl 0.9.1 does not read it (the actor's clip norm is "
                               "actor_rollout_ref.actor.optim.clip_grad, default 1.0); set that",
     **{f"algorithm.{k}": "verl 0.9.1 has no such key: its rollout correction is algorithm.rollout_correction.* "

@@ -106,6 +106,7 @@ def test_two_keys_for_one_setting_must_agree():
         translate_tree({"actor": {"lr": 1e-3}, "actor_rollout_ref": {"actor": {"optim": {"lr": 1e-6}}}})
     same, verl = translate_keys({"actor": {"lr": 1e-3}, "actor_rollout_ref": {"actor": {"optim": {"lr": 1e-3}}}})
     assert (same, verl) == ({"actor": {"lr": 1e-3}}, True)
+    assert translate_tree({"actor": {"lr": 1e-3}}) == {"actor": {"lr": 1e-3}}
 
 
 def test_unknown_keys_still_get_the_closest_name():

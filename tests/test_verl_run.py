@@ -4,6 +4,8 @@ training, and the quickstart's dry run printing verl 0.9.1's defaults."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -98,6 +100,10 @@ def test_lists_of_train_and_val_files_mix_sources_and_keep_each_rows_source(tmp_
     assert bundle.val["data_source"].value_counts().to_dict() == {"openai/gsm8k": 4, "synthetic/arithmetic": 5}
     one = load_config(None, [f"data.train_files={arithmetic}", f"data.val_files={uri}"])
     assert (one.data.train_files, one.data.val_files) == ([arithmetic], [uri])  # one path: a list of one
+    from rlhf.config import PPOConfig
+
+    flyte = PPOConfig.from_json(json.dumps({"data": {"train_files": arithmetic, "val_files": [uri]}}))  # pyflyte --cfg
+    assert (flyte.data.train_files, flyte.data.val_files) == ([arithmetic], [uri])
     local = load_config(None, [f"data.train_files=[{word_problem_files['train']}, {arithmetic}]",
                                f"data.val_files=[{word_problem_files['test']}, {arithmetic}]"])
     assert "28 train rows" in preflight(local).text()

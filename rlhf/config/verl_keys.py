@@ -11,7 +11,8 @@ anything else under a verl-only section); keys whose only accepted values are th
 behaviour built in here (`FIXED`) pass with those values and raise with any other; a null
 where verl means "the default" becomes this project's spelling of it (`NULL_MEANS`).
 A launch that uses any of these names takes verl 0.9.1's defaults for the keys it leaves
-unset (`rlhf.config.verl_defaults`). docs/VERL.md lists the same tables for people.
+unset (`rlhf.config.verl_defaults`, applied by the callers: `rlhf.config.load`, and
+`rlhf.config.keys` for flytekit's decoding). docs/VERL.md lists the same tables for people.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 from typing import Any
 
 from rlhf.config.schema import ConfigError, PPOConfig, _sections, all_keys
-from rlhf.config.verl_defaults import resolve_defaults
 
 _AR = "actor_rollout_ref"
 
@@ -214,14 +214,9 @@ def translate_override(key: str, value: Any) -> list[tuple[str, Any]]:
 
 
 def translate_tree(tree: dict) -> dict:
-    """A nested config mapping with verl's keys replaced by this project's and the defaults
-    chosen (`resolve_defaults`: verl's for the keys left unset when a verl key name is used),
-    a single dataset path written as a string made a list of one. Two keys that land on the
-    same project key with different values raise `ConfigError` naming both."""
-    if not isinstance(tree, dict):
-        return tree
-    out, verl = translate_keys(tree)
-    return _file_lists(resolve_defaults(out, verl, leaf_keys(tree)))
+    """A nested config mapping with verl's keys replaced by this project's (`translate_keys`
+    without the flag); the defaults are the caller's (`rlhf.config.verl_defaults`)."""
+    return translate_keys(tree)[0] if isinstance(tree, dict) else tree
 
 
 def translate_keys(tree: dict) -> tuple[dict, bool]:
@@ -253,15 +248,6 @@ def leaf_keys(tree: dict) -> set[str]:
 def is_verl_key(key: str, value: Any = None) -> bool:
     """Whether the dotted override `key` (with a mapping `value`, any leaf under it) is one of verl's own names."""
     return _has_verl_leaf(_leaves({key: value}) if isinstance(value, dict) else [(key, value)])
-
-
-def _file_lists(tree: dict) -> dict:
-    """`data.train_files` / `data.val_files` given as one string: a list of that one path ("" => none)."""
-    data = tree.get("data")
-    if not isinstance(data, dict):
-        return tree
-    fixed = {k: ([data[k]] if data[k] else []) for k in ("train_files", "val_files") if isinstance(data.get(k), str)}
-    return {**tree, "data": {**data, **fixed}} if fixed else tree
 
 
 def _has_verl_leaf(leaves: list[tuple[str, Any]]) -> bool:

@@ -130,8 +130,8 @@ FIXED: dict[str, tuple[tuple[Any, ...], str]] = {
     "algorithm.use_pf_ppo": ((False,), "no PF-PPO reweighting"),
     "data.train_max_samples": ((-1,), "every train row is used"),
     "data.gen_batch_size": ((None,), "a step generates for data.train_batch_size prompts"),
-    "trainer.val_only": ((False,), "validation alone is python -m rlhf.round.evaluate's job"),
-    "trainer.validation_data_dir": ((None,), "validation samples go to the tracker"),
+    "trainer.val_only": ((False,), "a launch trains; trainer.val_before_train validates the starting policy first"),
+    "trainer.validation_data_dir": ((None,), "validation samples go to the tracker as an artifact"),
     # verl switches with no effect on training here: any value.
     f"{_AR}.actor.calculate_entropy": ((_ANY,), ""),  # the entropy is always measured
     "data.return_raw_chat": ((_ANY,), ""),

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlhf.config import ConfigError, PPOConfig, flatten, load_config, to_dict
+from rlhf.config import ConfigError, PPOConfig, correction_settings, flatten, load_config, to_dict
 from rlhf.config.load import from_dict
 
 omegaconf = pytest.importorskip("omegaconf", reason="verl's config needs omegaconf (make setup-verl)")
@@ -251,6 +251,9 @@ def test_explicit_keys_win_and_defaults_project_opts_out():
     assert mine.defaults == "project" and mine.rollout.n == PPOConfig().rollout.n
     counted = load_config(None, [*LAUNCH, "trainer.total_rounds=7"])
     assert (counted.trainer.total_rounds, counted.trainer.total_epochs) == (7, 0)  # rounds win over verl's 30 epochs
+    for setting in ("algorithm.rollout_correction.preset=decoupled_seq_is", f"{AR}.actor.tis_imp_ratio_cap=3.0"):
+        rc = correction_settings(load_config(None, [*LAUNCH, setting]))  # the setting is the whole correction
+        assert rc.rollout_is in ("sequence", "token"), setting
 
 
 def test_the_choice_is_recorded_and_a_saved_config_reloads_as_the_same_run(tmp_path):

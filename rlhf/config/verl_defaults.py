@@ -82,7 +82,7 @@ VERL_DEFAULTS: dict[str, tuple[Any, str]] = {
     "algorithm.rollout_correction.rollout_rs": (None, "algorithm.rollout_correction.rollout_rs"),
     "algorithm.rollout_correction.rollout_rs_threshold": (None, "algorithm.rollout_correction.rollout_rs_threshold"),
     "algorithm.rollout_correction.bypass_mode": (False, "algorithm.rollout_correction.bypass_mode"),
-    "trainer.total_epochs": (30, "trainer.total_epochs"),  # not when the launch sets trainer.total_rounds
+    "trainer.total_epochs": (30, "trainer.total_epochs"),
     "trainer.save_freq": (-1, "trainer.save_freq"),
     "trainer.test_freq": (-1, "trainer.test_freq"),
     "trainer.val_before_train": (True, "trainer.val_before_train"),
@@ -91,6 +91,13 @@ VERL_DEFAULTS: dict[str, tuple[Any, str]] = {
     "trainer.resume": ("auto", "trainer.resume_mode"),
     "trainer.max_ckpt_to_keep": (0, "trainer.max_actor_ckpt_to_keep"),  # verl's null: keep all
     "trainer.rollout_data_dir": ("", "trainer.rollout_data_dir"),  # verl's null: not written
+}
+
+# key prefix -> explicit keys that set it another way: then verl's defaults under the prefix are not filled in.
+SET_OTHERWISE: dict[str, tuple[str, ...]] = {
+    "trainer.total_epochs": ("trainer.total_rounds",),  # the launch counts rounds
+    # a preset or the older TIS cap sets the whole correction (`correction_settings`)
+    "algorithm.rollout_correction.": ("algorithm.rollout_correction.preset", "actor.tis_imp_ratio_cap"),
 }
 
 # project key -> the project key whose value it takes when unset (verl's `${oc.select:...}`).
@@ -129,10 +136,9 @@ def resolve_defaults(tree: dict, verl_keys_used: bool, given: set[str] = frozens
         if key in given and not tree.get("defaults"):  # verl's names chose verl: a saved config keeps its keys
             raise ConfigError(f"config key '{key}' is not used under verl's defaults: {reason} "
                               "(or set defaults=project)")
+    skip = tuple(prefix for prefix, others in SET_OTHERWISE.items() if any(_has(out, k) for k in others))
     for key, (value, _) in {**VERL_DEFAULTS, **VERL_BEHAVIOUR}.items():
-        if key == "trainer.total_epochs" and _has(out, "trainer.total_rounds"):
-            continue  # the launch counts rounds
-        if not _has(out, key):
+        if not _has(out, key) and not any(key.startswith(prefix) for prefix in skip):
             out = _with(out, key, value)
     for key, source in VERL_FOLLOWS.items():
         if not _has(out, key):

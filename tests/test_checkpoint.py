@@ -227,8 +227,8 @@ def test_save_points_follow_save_freq_and_the_last_round():
 
     tc = TrainerConfig(total_rounds=12, save_freq=5)
     assert [r for r in range(1, 13) if ckpt.is_save_point(tc, r)] == [5, 10, 12]
-    only_end = TrainerConfig(total_rounds=4, save_freq=-1)
-    assert [r for r in range(1, 5) if ckpt.is_save_point(only_end, r)] == [4]
+    never = TrainerConfig(total_rounds=4, save_freq=-1)  # verl's -1: no checkpoint, not even the last
+    assert not any(ckpt.is_save_point(never, r) or ckpt.should_save(never, r, stopping=True) for r in range(1, 5))
     assert ckpt.should_save(tc, 3, stopping=True) and not ckpt.should_save(tc, 3, stopping=False)
 
 

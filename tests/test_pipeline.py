@@ -82,7 +82,7 @@ def test_dataset_fingerprint_follows_the_files(tmp_path):
     train, val = tmp_path / "train.parquet", tmp_path / "val.parquet"
     make_arithmetic(8, seed=1).to_parquet(train)
     make_arithmetic(4, seed=2).to_parquet(val)
-    data = DataConfig(train_files=str(train), val_files=str(val))
+    data = DataConfig(train_files=[str(train)], val_files=[str(val)])
     first = P.dataset_fingerprint(data)
     assert first and P.dataset_fingerprint(data) == first
     make_arithmetic(9, seed=1).to_parquet(train)

@@ -127,7 +127,8 @@ def test_one_ppo_round_on_smollm2_changes_weights_with_finite_losses(smollm2_ggu
         "data.max_prompt_length=160", "data.max_response_length=6", "actor_rollout_ref.rollout.n=2",
         "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor.ppo_epochs=1", "critic.ppo_epochs=1",
         "actor_rollout_ref.actor.optim.lr=1e-5", "critic.optim.lr=1e-5", "rollout.temperature=1.0",
-        "trainer.total_rounds=1", "trainer.val_before_train=false", "trainer.logger=none", "trainer.device=cpu",
+        "trainer.total_rounds=1", "trainer.save_freq=1", "trainer.val_before_train=false", "trainer.logger=none",
+        "trainer.device=cpu",
         f"trainer.output_dir={tmp_path / 'run'}",
         # The instruct model never writes "####", so strict scores are all 0 and so are the
         # advantages: the entropy bonus makes the actor's gradient non-zero whatever it writes.

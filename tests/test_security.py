@@ -109,7 +109,7 @@ def test_config_refuses_passwords_in_uris_and_does_not_echo_them():
     with pytest.raises(ConfigError, match="'data.train_files' holds a password"):
         load_config(None, [f"data.train_files=https://u:{URI_PASSWORD}@h/t.parquet", "data.val_files=v.parquet"])
     assert load_config(None, ["data.train_files=hdfs://alice@nn:8020/t.parquet",
-                              "data.val_files=v.parquet"]).data.train_files.startswith("hdfs://alice@")
+                              "data.val_files=v.parquet"]).data.train_files[0].startswith("hdfs://alice@")
 
 
 def test_redact_hides_uri_passwords_and_secret_variables(monkeypatch):

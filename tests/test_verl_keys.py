@@ -5,9 +5,10 @@ import json
 import pytest
 
 from rlhf.config import ConfigError, PPOConfig, load_config, resolve_epochs, rounds_for_epochs
-from rlhf.config.verl_keys import translate_tree
+from rlhf.config.verl_keys import translate_keys, translate_tree
 
-# verl's GSM8K PPO quickstart (docs/start/quickstart.rst), only the paths changed.
+# verl's GSM8K PPO quickstart (docs/start/quickstart.rst of verl's main branch, 0.8.0.dev,
+# the newest text published), only the paths changed.
 QUICKSTART = """
 data.train_files=/data/gsm8k/train.parquet data.val_files=/data/gsm8k/test.parquet data.train_batch_size=256
 data.max_prompt_length=512 data.max_response_length=512
@@ -24,7 +25,7 @@ trainer.nnodes=1 trainer.save_freq=10 trainer.test_freq=10 trainer.total_epochs=
 """.split()
 
 EXPECTED = {
-    ("data", "train_files"): "/data/gsm8k/train.parquet", ("data", "val_files"): "/data/gsm8k/test.parquet",
+    ("data", "train_files"): ["/data/gsm8k/train.parquet"], ("data", "val_files"): ["/data/gsm8k/test.parquet"],
     ("data", "train_batch_size"): 256, ("data", "max_prompt_length"): 512, ("data", "max_response_length"): 512,
     ("model", "path"): "/models/Qwen2.5-0.5B-Instruct", ("actor", "lr"): 1e-6, ("actor", "ppo_mini_batch_size"): 64,
     ("actor", "ppo_micro_batch_size_per_gpu"): 4, ("rollout", "name"): "vllm",
@@ -97,14 +98,15 @@ def test_critic_warmup_is_verls_key_and_meaning():
 
 
 def test_fixed_value_at_its_default_is_accepted():
-    assert load_config(None, ["data.prompt_key=prompt"]) == load_config(None, [])
+    assert load_config(None, ["data.prompt_key=prompt"]) == load_config(None, ["defaults=verl"])
 
 
 def test_two_keys_for_one_setting_must_agree():
     with pytest.raises(ConfigError, match="both set 'actor.lr'"):
         translate_tree({"actor": {"lr": 1e-3}, "actor_rollout_ref": {"actor": {"optim": {"lr": 1e-6}}}})
-    same = translate_tree({"actor": {"lr": 1e-3}, "actor_rollout_ref": {"actor": {"optim": {"lr": 1e-3}}}})
-    assert same == {"actor": {"lr": 1e-3}}
+    same, verl = translate_keys({"actor": {"lr": 1e-3}, "actor_rollout_ref": {"actor": {"optim": {"lr": 1e-3}}}})
+    assert (same, verl) == ({"actor": {"lr": 1e-3}}, True)
+    assert translate_tree({"actor": {"lr": 1e-3}}) == {"actor": {"lr": 1e-3}}
 
 
 def test_unknown_keys_still_get_the_closest_name():
@@ -112,14 +114,50 @@ def test_unknown_keys_still_get_the_closest_name():
         load_config(None, ["actor_rollout_ref.actor.ppo_epochs=2", "actor.clip_rato=0.3"])
 
 
-def test_total_epochs_becomes_rounds_from_the_train_set_size():
+def _verl_total_training_steps(n_rows: int, train_batch_size: int, total_epochs: int) -> int:
+    """verl 0.9.1's step count, from its own lines: the statements of
+    `verl/trainer/ppo/v1/trainer_base.py`'s `_init_dataloader` from `self.steps_per_epoch = ...`
+    to `self.total_training_steps = ...`, run on a train set of `n_rows` rows (the loader
+    itself needs torchdata and datasets, which verl's wheel is installed here without)."""
+    import ast
+    import importlib.util
+    import logging
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    omegaconf = pytest.importorskip("omegaconf")
+    spec = importlib.util.find_spec("verl")
+    if spec is None:
+        pytest.skip("the installed verl 0.9.1 wheel (make setup-verl)")
+    source = Path(spec.origin).parent / "trainer" / "ppo" / "v1" / "trainer_base.py"
+    fn = next(n for n in ast.walk(ast.parse(source.read_text())) if isinstance(n, ast.FunctionDef)
+              and n.name == "_init_dataloader")
+    texts = [ast.unparse(s) for s in fn.body]
+    first = next(i for i, t in enumerate(texts) if t.startswith("self.steps_per_epoch ="))
+    last = next(i for i, t in enumerate(texts) if t.startswith("self.total_training_steps ="))
+    module = ast.Module(body=fn.body[first:last + 1], type_ignores=[])
+    config = omegaconf.OmegaConf.create({"data": {"train_batch_size": train_batch_size},
+                                         "trainer": {"total_epochs": total_epochs, "total_training_steps": None}})
+    trainer = SimpleNamespace(train_dataset=range(n_rows), config=config)
+    exec(compile(module, str(source), "exec"), {"self": trainer, "logger": logging.getLogger("verl")})
+    return trainer.total_training_steps
+
+
+def test_total_epochs_counts_steps_as_verl_does():
+    """`trainer.total_epochs=15` on GSM8K's 7,473 train rows at batch 256: verl's loader drops
+    each epoch's last partial batch, 29 steps an epoch, 435 steps."""
     cfg = load_config(None, ["trainer.total_epochs=15", "data.train_batch_size=256", "actor.ppo_mini_batch_size=64"])
-    assert rounds_for_epochs(cfg, 7473) == 438  # ceil(15 * 7473 / 256): verl's GSM8K train split
+    verl_steps = _verl_total_training_steps(7473, 256, 15)
+    assert verl_steps == 435
+    assert rounds_for_epochs(cfg, 7473) == verl_steps
     resolved = resolve_epochs(cfg, 7473)
-    assert (resolved.trainer.total_rounds, resolved.trainer.total_epochs) == (438, 0)
+    assert (resolved.trainer.total_rounds, resolved.trainer.total_epochs) == (verl_steps, 0)
     assert resolve_epochs(resolved, 10) == resolved
     two_steps = load_config(None, ["trainer.total_epochs=2", "trainer.steps_per_round=2", "data.train_batch_size=8",
                                    "actor.ppo_mini_batch_size=8"])
-    assert rounds_for_epochs(two_steps, 100) == 13  # ceil(2 * 100 / 16)
+    # 100 rows at 8 a step: 12 steps an epoch, 24 in all, 12 rounds of 2 steps
+    assert rounds_for_epochs(two_steps, 100) == _verl_total_training_steps(100, 8, 2) // 2 == 12
+    with pytest.raises(ConfigError, match="at least one full batch"):
+        rounds_for_epochs(two_steps, 7)  # verl: "Train dataloader is empty"
     with pytest.raises(ConfigError, match="must be >= 0"):
         load_config(None, ["trainer.total_epochs=-1"])

@@ -68,11 +68,16 @@ GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")  # advantage
 def _refuse_credentials(flat: dict[str, Any]) -> None:
     """The config travels with the run (Flyte inputs and decks, MLflow params, checkpoints), so a
     URI in it may not carry a password; credentials come from the environment or Flyte Secrets."""
-    for key, value in flat.items():
-        if isinstance(value, str) and URI_PASSWORD.search(value):
-            raise ConfigError(
-                f"config key '{key}' holds a password in its URI ({redact(value)}); the config is stored with the "
-                "run (Flyte inputs, MLflow params, checkpoints), so remove it and pass credentials through the "
-                "environment or a Flyte Secret: MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD or "
-                "MLFLOW_TRACKING_TOKEN for MLflow, the storage's own variables (e.g. AWS_ACCESS_KEY_ID/"
-                "AWS_SECRET_ACCESS_KEY) for data and models")
+    for key, values in flat.items():
+        for value in values if isinstance(values, list) else [values]:
+            _refuse_password(key, value)
+
+
+def _refuse_password(key: str, value: Any) -> None:
+    if isinstance(value, str) and URI_PASSWORD.search(value):
+        raise ConfigError(
+            f"config key '{key}' holds a password in its URI ({redact(value)}); the config is stored with the "
+            "run (Flyte inputs, MLflow params, checkpoints), so remove it and pass credentials through the "
+            "environment or a Flyte Secret: MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD or "
+            "MLFLOW_TRACKING_TOKEN for MLflow, the storage's own variables (e.g. AWS_ACCESS_KEY_ID/"
+            "AWS_SECRET_ACCESS_KEY) for data and models")

@@ -84,9 +84,7 @@ def from_json_checked(cls: type, text: str):
     data = json.loads(text)
     try:
         if cls is PPOConfig:
-            from rlhf.config.verl_keys import translate_tree
-
-            data = translate_tree(data)
+            data = launch_tree(data)
         check_keys(data, cls=cls)
     except ConfigError as e:
         raise _option_error(str(e)) from None
@@ -95,13 +93,31 @@ def from_json_checked(cls: type, text: str):
 
 
 def pre_deserialize_checked(cls: type, data: dict) -> dict:
-    """`data` with verl's keys translated, after the unknown-key check: what mashumaro
-    decodes a config input of a task from."""
-    from rlhf.config.verl_keys import translate_tree
-
-    data = translate_tree(data)
+    """`data` with verl's keys translated and the defaults chosen, after the unknown-key
+    check: what mashumaro decodes a config input of a task from."""
+    data = launch_tree(data)
     check_keys(data, "cfg input", cls=cls)
     return data
+
+
+def launch_tree(data: Any) -> Any:
+    """A config mapping as a launch gave it, made this project's: verl's key names translated,
+    the defaults chosen (verl 0.9.1's for the keys left unset when a verl name is used, as
+    `load_config` chooses them) and a dataset path given as one string made a list of one (the
+    decoders would read a string as a list of characters)."""
+    from rlhf.config.verl_defaults import resolve_defaults
+    from rlhf.config.verl_keys import leaf_keys, translate_keys
+
+    if not isinstance(data, dict):
+        return data
+    tree, verl = translate_keys(data)
+    tree = resolve_defaults(tree, verl, leaf_keys(data))
+    section = tree.get("data")
+    if isinstance(section, dict):
+        lists = {k: [section[k]] if section[k] else [] for k in ("train_files", "val_files")
+                 if isinstance(section.get(k), str)}
+        tree = {**tree, "data": {**section, **lists}}
+    return tree
 
 def _decode_as_flytekit(cls: type, data: dict):
     """`cls` built from `data` by dataclasses_json, the decoder flytekit's click type uses for

@@ -29,10 +29,15 @@ _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _YAML_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 
+_PATH_LISTS = ("data.train_files", "data.val_files")  # a path may hold a comma: never split
+
+
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     origin = get_origin(tp)
     if origin is list:
-        if isinstance(value, str):
+        if isinstance(value, str) and key in _PATH_LISTS:
+            value = [value] if value else []
+        elif isinstance(value, str):
             value = [v for v in value.split(",") if v] if value else []
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"config key '{key}' expects a list, got {value!r}")
@@ -178,19 +183,37 @@ def _plain(value: Any, key: str, seen: tuple[int, ...], count: list[int]) -> Any
 
 
 def from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> PPOConfig:
-    """Build and validate a config from a nested mapping plus dotted overrides."""
-    from rlhf.config.verl_keys import translate_override, translate_tree
+    """Build and validate a config from a nested mapping plus dotted overrides. verl's key
+    names are translated; when any is used (in the mapping or the overrides), the keys left
+    unset take verl 0.9.1's defaults (`rlhf.config.verl_defaults`)."""
+    from rlhf.config.verl_defaults import resolve_defaults
+    from rlhf.config.verl_keys import is_verl_key, leaf_keys, translate_keys, translate_override
 
-    tree = translate_tree(_plain(data or {}, "", (), [0]))  # a deep copy of plain data, verl keys mapped
+    plain = _plain(data or {}, "", (), [0])  # a deep copy of plain data
+    tree, verl = translate_keys(plain)
+    given = leaf_keys(plain)
+    origin: dict[str, tuple[str, Any]] = {}
     for text in overrides:
         k, v = parse_override(text)
-        for key, value in translate_override(k, _plain(v, k, (), [0])):
+        v = _plain(v, k, (), [0])
+        verl, given = verl or is_verl_key(k, v), given | {k}
+        for key, value in translate_override(k, v):
+            _refuse_two_spellings(origin, key, k, value)
             _set_dotted(tree, key, value)
-    cfg = _build(PPOConfig, tree)
+    cfg = _build(PPOConfig, resolve_defaults(tree, verl, given))
     validate(cfg)
     correction_settings(cfg)  # raises on a bad preset, conflicting keys or a value verl refuses
     check_ranges(flatten(cfg))
     return cfg
+
+
+def _refuse_two_spellings(origin: dict[str, tuple[str, Any]], target: str, key: str, value: Any) -> None:
+    """Two overrides spelt differently (a verl name and this project's, or two verl names) that
+    set one key to different values: refused, naming both (the same key given twice: the last wins)."""
+    if target in origin and origin[target][0] != key and origin[target][1] != value:
+        raise ConfigError(f"overrides '{origin[target][0]}' and '{key}' both set '{target}' "
+                          f"({origin[target][1]!r} vs {value!r}); keep one")
+    origin[target] = (key, value)
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> PPOConfig:

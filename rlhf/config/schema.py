@@ -42,8 +42,8 @@ class SyntheticDataConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    train_files: str = ""  # parquet file/dir/URI (verl layout); "" => synthetic arithmetic
-    val_files: str = ""  # validation parquet (same layout); required with train_files
+    train_files: list[str] = field(default_factory=list)  # parquet files/dirs/URIs (verl layout), read and concatenated, each row keeping its data_source; [] => synthetic arithmetic
+    val_files: list[str] = field(default_factory=list)  # validation parquet(s) (same layout); required with train_files
     rollout_files: str = ""  # stored rollout table(s) (parquet file/dir/URI) read in place of generation: offline RLHF
     prompt_format: str = "text"  # "text" | "chat" (chat lists rendered with the template)
     train_batch_size: int = 64  # prompts per PPO step
@@ -101,7 +101,7 @@ class ModelConfig:
     trust_remote_code: bool = False  # allow model code from the checkpoint directory
     allow_network: bool = False  # hub names are fetched only when this is true
     dtype: str = "float32"  # "float32" | "bfloat16"
-    enable_gradient_checkpointing: bool = False  # recompute activations in backward (less memory)
+    enable_gradient_checkpointing: bool = False  # recompute the actor's activations in backward (less memory; the critic too unless critic.enable_gradient_checkpointing says otherwise)
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
 
@@ -138,6 +138,7 @@ class CriticConfig:
     grad_clip: float = 1.0  # max gradient norm
     loss_agg_mode: str = "token-mean"  # aggregation of the value loss
     ppo_micro_batch_size_per_gpu: int = 64  # responses per critic forward/backward
+    enable_gradient_checkpointing: Optional[bool] = None  # recompute the critic's activations in backward; null => model.enable_gradient_checkpointing
 
 
 @dataclass(frozen=True)
@@ -214,9 +215,9 @@ class RewardConfig:
 @dataclass(frozen=True)
 class TrainerConfig:
     total_rounds: int = 100  # rounds to run (fewer on early stop)
-    total_epochs: int = 0  # > 0: passes over the train set; sets total_rounds once the train set's size is known
+    total_epochs: int = 0  # > 0: epochs of floor(train rows / train_batch_size) steps (verl's count); sets total_rounds once the train set's size is known
     steps_per_round: int = 1  # PPO steps per rollout buffer (1 => on-policy)
-    test_freq: int = 1  # evaluate every k rounds; -1 => never (no validation, as verl)
+    test_freq: int = 1  # evaluate every k rounds and after the last; -1 => never after training starts (val_before_train still validates first, as verl)
     critic_warmup: int = 0  # the first this many PPO steps update only the critic (verl's critic_warmup)
     rollout_data_dir: str = ""  # if set, each round's scored rollouts go here as parquet (offline RLHF input)
     val_before_train: bool = True  # evaluate the starting policy
@@ -234,7 +235,7 @@ class TrainerConfig:
     profile_steps: list[int] = field(default_factory=list)  # global steps to trace with torch.profiler
     balance_batch: bool = True  # split each PPO mini-batch over ranks by equal rows and near-equal tokens
     max_ckpt_to_keep: int = 2  # checkpoints kept (the newest save points); <= 0 => all
-    save_freq: int = 5  # rounds between checkpoints (plus one after the last round); -1 => only at the end
+    save_freq: int = 5  # rounds between checkpoints (plus one after the last round and at an early stop); -1 => no checkpoint, as verl (the final policy is still written)
     granularity: str = "segment"  # Flyte rounds: "segment" (K rounds per GPU task; real sizes) | "stage" (task per stage)
     rounds_per_segment: int = 10  # K: rounds one colocated Flyte segment runs (granularity=segment)
 
@@ -258,6 +259,7 @@ class EarlyStopConfig:
 
 @dataclass(frozen=True)
 class PPOConfig:
+    defaults: str = "project"  # whose defaults the unset keys took: "project" (docs/CONFIG.md) | "verl" (verl 0.9.1's; chosen when the launch uses verl's key names, docs/VERL.md)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
@@ -272,6 +274,7 @@ class PPOConfig:
 
 
 _CHOICES: dict[str, tuple[str, ...]] = {
+    "defaults": ("project", "verl"),
     "data.prompt_format": ("text", "chat"),
     "data.truncation": ("error", "left", "right"),
     "model.dtype": ("float32", "bfloat16"),

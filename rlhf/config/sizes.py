@@ -15,17 +15,23 @@ from rlhf.config.schema import ConfigError, PPOConfig
 
 
 def rounds_for_epochs(cfg: PPOConfig, n_train: int) -> int:
-    """Rounds that make `trainer.total_epochs` passes over `n_train` train prompts (verl's
-    `total_epochs`): ceil(epochs * n_train / (train_batch_size * steps_per_round))."""
-    per_round = cfg.data.train_batch_size * cfg.trainer.steps_per_round
-    if n_train <= 0:
-        raise ConfigError("trainer.total_epochs needs a non-empty train set; check data.train_files")
-    return max(1, math.ceil(cfg.trainer.total_epochs * n_train / per_round))
+    """Rounds that make verl's `trainer.total_epochs` over `n_train` train prompts. verl's
+    loader drops each epoch's last partial batch, so an epoch is floor(n_train / train_batch_size)
+    steps and the run epochs times that (`trainer_base.py`: `steps_per_epoch * total_epochs`);
+    rounds = ceil(steps / steps_per_round). A train set smaller than one batch is refused, as
+    verl refuses an empty loader."""
+    bsz = cfg.data.train_batch_size
+    if n_train < bsz:
+        raise ConfigError(f"trainer.total_epochs needs at least one full batch of train prompts: the train set has "
+                          f"{n_train} rows, data.train_batch_size is {bsz}; check data.train_files or lower "
+                          "data.train_batch_size")
+    steps = (n_train // bsz) * cfg.trainer.total_epochs
+    return max(1, math.ceil(steps / cfg.trainer.steps_per_round))
 
 
 def resolve_epochs(cfg: PPOConfig, n_train: int) -> PPOConfig:
     """`cfg` itself, or (with `trainer.total_epochs` > 0) a new config whose `trainer.total_rounds`
-    makes that many passes over the `n_train` train prompts and whose `total_epochs` is 0, so
+    makes that many epochs of the `n_train` train prompts (verl's count) and whose `total_epochs` is 0, so
     resolving again changes nothing. Called where the train set is prepared."""
     if cfg.trainer.total_epochs <= 0:
         return cfg

@@ -6,9 +6,13 @@ nesting (`actor_rollout_ref: {actor: {optim: {lr: ...}}}`) is translated here, b
 key check, by `translate_tree` (a nested mapping) and `translate_override` (one dotted
 key). Keys that are already this project's keep their meaning; verl keys with a
 counterpart are renamed (`VERL_KEYS`); verl keys without one raise `ConfigError` with the
-reason (`REFUSED`, or a generic reason for anything else under a verl-only section);
-keys whose only accepted value is the behaviour built in here (`FIXED`) pass with that
-value and raise with any other. docs/VERL.md lists the same table for people.
+reason (`REFUSED`, where verl's null, which sets nothing, passes; or a generic reason for
+anything else under a verl-only section); keys whose only accepted values are the
+behaviour built in here (`FIXED`) pass with those values and raise with any other; a null
+where verl means "the default" becomes this project's spelling of it (`NULL_MEANS`).
+A launch that uses any of these names takes verl 0.9.1's defaults for the keys it leaves
+unset (`rlhf.config.verl_defaults`, applied by the callers: `rlhf.config.load`, and
+`rlhf.config.keys` for flytekit's decoding). docs/VERL.md lists the same tables for people.
 """
 
 from __future__ import annotations
@@ -27,10 +31,12 @@ VERL_KEYS: dict[str, str] = {
     f"{_AR}.model.use_remove_padding": "data.use_sequence_packing",
     f"{_AR}.actor.optim.lr": "actor.lr",
     f"{_AR}.actor.optim.weight_decay": "actor.weight_decay",
+    f"{_AR}.actor.optim.clip_grad": "actor.grad_clip",
+    f"{_AR}.actor.optim.grad_clip": "actor.grad_clip",  # verl's deprecated spelling of optim.clip_grad
     **{f"{_AR}.actor.{k}": f"actor.{k}" for k in (
         "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz", "ppo_max_token_len_per_gpu",
         "ppo_epochs", "clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "entropy_coeff",
-        "grad_clip", "loss_agg_mode", "use_kl_loss", "kl_loss_coef", "kl_loss_type", "shuffle")},
+        "loss_agg_mode", "use_kl_loss", "kl_loss_coef", "kl_loss_type", "shuffle")},
     **{f"{_AR}.rollout.{k}": f"rollout.{k}" for k in (
         "name", "n", "temperature", "top_p", "top_k", "tensor_model_parallel_size", "gpu_memory_utilization",
         "max_num_batched_tokens", "log_prob_micro_batch_size_per_gpu")},
@@ -38,7 +44,13 @@ VERL_KEYS: dict[str, str] = {
     f"{_AR}.ref.log_prob_micro_batch_size_per_gpu": "ref.log_prob_micro_batch_size_per_gpu",
     "critic.optim.lr": "critic.lr",
     "critic.optim.weight_decay": "critic.weight_decay",
+    "critic.optim.clip_grad": "critic.grad_clip",
+    "critic.optim.grad_clip": "critic.grad_clip",
     "critic.model.path": "model.critic_path",
+    "critic.model.enable_gradient_checkpointing": "critic.enable_gradient_checkpointing",
+    # One packing switch for both models here: packing is exact, so it changes memory and speed, not results.
+    "critic.model.use_remove_padding": "data.use_sequence_packing",
+    "critic.model.trust_remote_code": "model.trust_remote_code",
     "reward_model.model.path": "reward.model_path",
     "reward_model.micro_batch_size_per_gpu": "reward.model_batch_size",
     "trainer.resume_mode": "trainer.resume",
@@ -89,10 +101,18 @@ REFUSED: dict[str, str] = {
     f"{_AR}.ref.fsdp_config.param_offload": "the reference shares the actor's placement here",
     "critic.ppo_mini_batch_size": "the critic steps on the actor's mini-batches: set "
                                   "actor_rollout_ref.actor.ppo_mini_batch_size (actor.ppo_mini_batch_size)",
-    f"{_AR}.actor.optim.lr_warmup_steps_ratio": "the PPO learning rate is constant here",
-    "critic.optim.lr_warmup_steps_ratio": "the PPO learning rate is constant here",
-    f"{_AR}.actor.optim.warmup_style": "the PPO learning rate is constant here",
-    "critic.optim.warmup_style": "the PPO learning rate is constant here",
+    **{f"critic.{k}": f"the critic follows the actor's setting here: set actor_rollout_ref.actor.{a}"
+       for k, a in (("use_dynamic_bsz", "use_dynamic_bsz"), ("shuffle", "shuffle"),
+                    ("ppo_max_token_len_per_gpu", "ppo_max_token_len_per_gpu"),
+                    ("forward_max_token_len_per_gpu", "ppo_max_token_len_per_gpu"),
+                    ("forward_micro_batch_size_per_gpu", "ppo_micro_batch_size_per_gpu (critic.ppo_micro_batch_size_per_gpu "
+                                                         "sets the critic's)"))},
+    f"{_AR}.actor.grad_clip": "verl 0.9.1 does not read it (the actor's clip norm is "
+                              "actor_rollout_ref.actor.optim.clip_grad, default 1.0); set that",
+    **{f"algorithm.{k}": "verl 0.9.1 has no such key: its rollout correction is algorithm.rollout_correction.* "
+                         "(docs/VERL.md, Rollout correction)"
+       for k in ("rollout_is", "rollout_is_threshold", "rollout_is_threshold_lower", "rollout_is_level",
+                 "rollout_is_mode", "rollout_is_veto_threshold")},
     f"{_AR}.rollout.mode": "rollout runs in the trainer's process (hf, hf_fast) or a colocated vLLM engine; "
                            "choose rollout.name",
     f"{_AR}.rollout.response_length": "set data.max_response_length",
@@ -102,14 +122,62 @@ REFUSED: dict[str, str] = {
     **_OLDER_CORRECTION_KEYS,
 }
 
-# verl key -> (the only value accepted, the reason).
-FIXED: dict[str, tuple[Any, str]] = {
-    "data.prompt_key": ("prompt", "the prompt column is always 'prompt' (verl's default)"),
-    "data.reward_fn_key": ("data_source", "the reward function is chosen by 'data_source' (verl's default)"),
-    f"{_AR}.hybrid_engine": (True, "rollout and update always share the process and the GPUs here"),
-    "reward_model.enable": (None, ""),  # either value: a reward model is used where rows ask for one
-    f"{_AR}.rollout.calculate_log_probs": (True, "the rollout's log-probs are always kept here; to train without "
-                                                 "rollout correction set algorithm.rollout_correction.preset=disabled"),
+_ANY = object()  # FIXED: every value accepted (the key changes nothing here)
+_CONSTANT_LR = "the PPO learning rate is constant here, with AdamW (betas 0.9, 0.999): verl's defaults"
+
+# verl key -> (the values accepted, the reason any other is refused).
+FIXED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "data.prompt_key": (("prompt",), "the prompt column is always 'prompt' (verl's default)"),
+    "data.reward_fn_key": (("data_source",), "the reward function is chosen by 'data_source' (verl's default)"),
+    f"{_AR}.hybrid_engine": ((True,), "rollout and update always share the process and the GPUs here"),
+    f"{_AR}.rollout.calculate_log_probs": ((True,), "the rollout's log-probs are always kept here; to train "
+                                                     "without rollout correction set "
+                                                     "algorithm.rollout_correction.preset=disabled"),
+    "reward_model.enable": ((_ANY,), ""),  # a reward model is used where rows ask for one
+    # verl's defaults that are this project's only behaviour: accepted at that value.
+    f"{_AR}.actor.policy_loss.loss_mode": (("vanilla",), "the policy loss is PPO's clipped loss (verl's vanilla)"),
+    f"{_AR}.actor.loss_scale_factor": ((None,), "losses are aggregated by actor.loss_agg_mode alone"),
+    "critic.loss_scale_factor": ((None,), "losses are aggregated by critic.loss_agg_mode alone"),
+    f"{_AR}.actor.use_prefix_grouper": ((False,), "no prefix grouping"),
+    f"{_AR}.model.lora_rank": ((0,), "full fine-tuning only (no LoRA)"),
+    "critic.model.lora_rank": ((0,), "full fine-tuning only (no LoRA)"),
+    f"{_AR}.rollout.do_sample": ((True,), "training rollouts sample (rollout.temperature)"),
+    f"{_AR}.rollout.ignore_eos": ((False,), "generation stops at EOS"),
+    f"{_AR}.rollout.over_sample_rate": ((0, 0.0), "every sampled response is kept"),
+    f"{_AR}.rollout.logprobs_mode": (("processed_logprobs",), "rollout log-probs are of the sampling "
+                                                              "distribution (after temperature)"),
+    f"{_AR}.rollout.val_kwargs.n": ((1,), "one validation response per prompt"),
+    f"{_AR}.rollout.val_kwargs.do_sample": ((False,), "validation decodes at rollout.val_temperature (0: greedy)"),
+    f"{_AR}.rollout.val_kwargs.top_p": ((1, 1.0), "validation samples from the full distribution"),
+    f"{_AR}.rollout.val_kwargs.top_k": ((-1,), "validation samples from the full distribution"),
+    "algorithm.filter_groups.enable": ((False,), "no DAPO group filtering"),
+    "algorithm.use_pf_ppo": ((False,), "no PF-PPO reweighting"),
+    "data.train_max_samples": ((-1,), "every train row is used"),
+    "data.gen_batch_size": ((None,), "a step generates for data.train_batch_size prompts"),
+    "trainer.val_only": ((False,), "a launch trains; trainer.val_before_train validates the starting policy first"),
+    "trainer.validation_data_dir": ((None,), "validation samples go to the tracker as an artifact"),
+    # verl switches with no effect on training here: any value.
+    f"{_AR}.actor.calculate_entropy": ((_ANY,), ""),  # the entropy is always measured
+    "data.return_raw_chat": ((_ANY,), ""),
+    "trainer.log_val_generations": ((_ANY,), ""),
+    **{f"{opt}.{k}": (values, _CONSTANT_LR) for opt in (f"{_AR}.actor.optim", "critic.optim")
+       for k, values in (("lr_warmup_steps_ratio", (0, 0.0)), ("lr_warmup_steps", (-1, 0)),
+                         ("warmup_style", (None, "constant")), ("lr_scheduler_type", ("constant",)),
+                         ("optimizer", ("AdamW",)), ("optimizer_impl", ("torch.optim",)),
+                         ("betas", ([0.9, 0.999],)), ("min_lr_ratio", (_ANY,)), ("num_cycles", (_ANY,)),
+                         ("total_training_steps", (-1, None)))},
+}
+
+# project key -> what verl's null means, in this project's spelling (_UNSET: the key sets nothing).
+_UNSET = object()
+NULL_MEANS: dict[str, Any] = {
+    "trainer.max_ckpt_to_keep": 0,  # keep all
+    "data.val_batch_size": 0,  # the whole validation set in one batch
+    "rollout.log_prob_micro_batch_size_per_gpu": 0,  # the actor's micro-batch
+    "ref.log_prob_micro_batch_size_per_gpu": 0,
+    "trainer.rollout_data_dir": "",  # not written
+    "actor.ppo_micro_batch_size_per_gpu": _UNSET,  # verl: only with use_dynamic_bsz; a memory setting
+    "critic.ppo_micro_batch_size_per_gpu": _UNSET,
 }
 
 
@@ -140,15 +208,19 @@ def translate_key(key: str, value: Any) -> tuple[str, Any] | None:
     the config's own unknown-key check to report with the closest name."""
     if key == _RC and value is None:  # verl: no rollout_correction section, no correction
         return f"{_RC}.preset", "disabled"
-    if key in _OUR_KEYS:
-        return key, value
-    if key in VERL_KEYS:
-        return VERL_KEYS[key], value
+    if key in _OUR_KEYS or key in VERL_KEYS:
+        target = VERL_KEYS.get(key, key)
+        if value is None and target in NULL_MEANS:
+            meant = NULL_MEANS[target]
+            return None if meant is _UNSET else (target, meant)
+        return target, value
     if key in REFUSED:
+        if value is None:
+            return None  # verl's null: the key sets nothing there either
         raise ConfigError(f"verl key '{key}' has no counterpart here: {REFUSED[key]}")
     if key in FIXED:
-        fixed, reason = FIXED[key]
-        if fixed is None or value == fixed:
+        accepted, reason = FIXED[key]
+        if any(a is _ANY or (value == a and isinstance(value, bool) == isinstance(a, bool)) for a in accepted):
             return None
         raise ConfigError(f"verl key '{key}={value}' is not supported: {reason}; remove the key")
     if key.startswith(_SECTIONS_ONLY_IN_VERL):
@@ -169,13 +241,17 @@ def translate_override(key: str, value: Any) -> list[tuple[str, Any]]:
 
 
 def translate_tree(tree: dict) -> dict:
-    """A nested config mapping with verl's keys replaced by this project's. Two keys that land
-    on the same project key with different values raise `ConfigError` naming both."""
-    if not isinstance(tree, dict):
-        return tree
+    """A nested config mapping with verl's keys replaced by this project's (`translate_keys`
+    without the flag); the defaults are the caller's (`rlhf.config.verl_defaults`)."""
+    return translate_keys(tree)[0] if isinstance(tree, dict) else tree
+
+
+def translate_keys(tree: dict) -> tuple[dict, bool]:
+    """(`tree` with verl's keys replaced by this project's, whether it held a verl key name);
+    the defaults are left to the caller."""
     leaves = _leaves(tree)
     if not _has_verl_leaf(leaves):
-        return tree  # nothing to translate: keep the tree (and its own error messages) as it is
+        return tree, False  # nothing to translate: keep the tree (and its own error messages) as it is
     out: dict = {}
     origin: dict[str, str] = {}
     for key, value in leaves:
@@ -188,7 +264,17 @@ def translate_tree(tree: dict) -> dict:
                               f"({_get(out, target)!r} vs {v!r}); keep one")
         origin[target] = key
         _put(out, target, v)
-    return out
+    return out, True
+
+
+def leaf_keys(tree: dict) -> set[str]:
+    """The dotted keys of every value in a nested mapping."""
+    return {k for k, _ in _leaves(tree)}
+
+
+def is_verl_key(key: str, value: Any = None) -> bool:
+    """Whether the dotted override `key` (with a mapping `value`, any leaf under it) is one of verl's own names."""
+    return _has_verl_leaf(_leaves({key: value}) if isinstance(value, dict) else [(key, value)])
 
 
 def _has_verl_leaf(leaves: list[tuple[str, Any]]) -> bool:

@@ -2,9 +2,11 @@
 
 `PromptSampler` is a seeded, resumable replacement for a shuffling DataLoader over row
 indices: every epoch is a fresh permutation (seeded by `(seed, epoch)`), every row
-appears exactly once per epoch, a batch that runs past the end of an epoch continues
-into the next one, and `state_dict()` is two integers, so a resumed run draws exactly
-the batches the uninterrupted run would have drawn.
+appears at most once per epoch, and `state_dict()` is two integers, so a resumed run
+draws exactly the batches the uninterrupted run would have drawn. With `drop_last` (as
+verl's loader, `StatefulDataLoader(drop_last=True)`) an epoch's last partial batch is
+skipped and the next batch starts a new epoch; without it, or when the rows do not fill
+one batch, a batch that runs past the end of an epoch continues into the next one.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ PROMPT_FORMATS = ("text", "chat")
 
 
 class PromptSampler:
-    """Batches of row indices in `[0, n_rows)`: seeded global shuffle per epoch, wrapping across epochs."""
+    """Batches of row indices in `[0, n_rows)`: seeded global shuffle per epoch, each epoch's
+    partial last batch dropped (`drop_last`) or continued into the next epoch."""
 
-    def __init__(self, n_rows: int, batch_size: int, seed: int, shuffle: bool = True):
+    def __init__(self, n_rows: int, batch_size: int, seed: int, shuffle: bool = True, drop_last: bool = False):
         if n_rows <= 0 or batch_size <= 0:
             raise ValueError(f"PromptSampler needs n_rows > 0 and batch_size > 0, got {n_rows}, {batch_size}")
         self.n_rows, self.batch_size, self.seed, self.shuffle = n_rows, batch_size, seed, shuffle
+        self.drop_last = drop_last and n_rows >= batch_size
         self.epoch, self.cursor = 0, 0
         self._order_epoch, self._order = -1, np.empty(0, dtype=np.int64)
 
@@ -41,6 +45,8 @@ class PromptSampler:
 
     def next_indices(self) -> np.ndarray:
         """The next batch: (batch_size,) int64 row indices."""
+        if self.drop_last and self.n_rows - self.cursor < self.batch_size:
+            self.epoch, self.cursor = self.epoch + 1, 0
         parts, need = [], self.batch_size
         while need:
             take = min(need, self.n_rows - self.cursor)

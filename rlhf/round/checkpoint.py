@@ -151,14 +151,15 @@ def commit(tmp: Path, final: Path) -> None:
 
 def is_save_point(trainer_cfg, round_: int) -> bool:
     """Whether round `round_` (1-based) is one `trainer.save_freq` asks to keep: every
-    `save_freq` rounds and the last (`save_freq` -1: the last only)."""
+    `save_freq` rounds and the last; none with `save_freq` -1 (verl's meaning: no checkpoint)."""
     freq = trainer_cfg.save_freq
-    return round_ >= trainer_cfg.total_rounds or (freq > 0 and round_ % freq == 0)
+    return freq > 0 and (round_ >= trainer_cfg.total_rounds or round_ % freq == 0)
 
 
 def should_save(trainer_cfg, round_: int, stopping: bool) -> bool:
-    """The in-process driver checkpoints at save points and when the run stops early."""
-    return stopping or is_save_point(trainer_cfg, round_)
+    """The in-process driver checkpoints at save points and when the run stops early (never
+    with `save_freq` -1)."""
+    return trainer_cfg.save_freq > 0 and (stopping or is_save_point(trainer_cfg, round_))
 
 
 def prune(output_dir: str | os.PathLike, keep: int, save_point: Callable[[int], bool] = lambda r: True) -> None:

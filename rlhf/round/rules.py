@@ -38,8 +38,9 @@ def should_evaluate(cfg: PPOConfig, rounds_done: int) -> bool:
 
 
 def should_validate_first(cfg: PPOConfig, state: RoundState) -> bool:
-    """Validate the starting policy before any update (`trainer.val_before_train`)."""
-    return cfg.trainer.val_before_train and cfg.trainer.test_freq > 0 and state.round == 0 and state.val_start < 0
+    """Validate the starting policy before any update (`trainer.val_before_train`; with
+    `test_freq=-1` too, as verl validates before training whatever its test_freq)."""
+    return cfg.trainer.val_before_train and state.round == 0 and state.val_start < 0
 
 
 def record_update(state: RoundState, steps: list[dict[str, float]], kl_coef: float) -> RoundState:

@@ -52,7 +52,7 @@ def prepare_data(cfg: PPOConfig) -> DataBundle:
         if not d.val_files:
             raise ValueError("data.train_files is set but data.val_files is empty; give a validation parquet")
         val = read_prompts(d.val_files, drop_invalid=d.drop_invalid, base_dir=d.base_dir)
-        check_data_sources(train, val, d.train_files, d.val_files)
+        check_data_sources(train, val, ", ".join(d.train_files), ", ".join(d.val_files))
         return DataBundle(train=train, val=val, sft=None)
     from rlhf.data.arithmetic import make_splits
 
@@ -88,14 +88,15 @@ def check_data_sources(train: pd.DataFrame, val: pd.DataFrame, train_name: str, 
 
 
 def sample_prompts(train: pd.DataFrame, state: RoundState, cfg: PPOConfig) -> tuple[pd.DataFrame, RoundState]:
-    """The round's prompts (`steps_per_round * train_batch_size` rows), from a seeded
-    per-epoch shuffle; the sampler position is carried in the state."""
+    """The round's prompts (`steps_per_round` batches of `train_batch_size` rows), from a seeded
+    per-epoch shuffle whose last partial batch is dropped, as verl's loader drops it; the
+    sampler position is carried in the state."""
     from rlhf.data.sampling import PromptSampler
 
-    n = cfg.trainer.steps_per_round * cfg.data.train_batch_size
-    sampler = PromptSampler(len(train), n, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
+    sampler = PromptSampler(len(train), cfg.data.train_batch_size, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle,
+                            drop_last=True)
     sampler.load_state_dict({"epoch": state.epoch, "cursor": state.cursor})
-    idx = sampler.next_indices()
+    idx = np.concatenate([sampler.next_indices() for _ in range(cfg.trainer.steps_per_round)])
     pos = sampler.state_dict()
     new = RoundState(**{**state.__dict__, "epoch": pos["epoch"], "cursor": pos["cursor"]})
     return train.iloc[idx].reset_index(drop=True), new

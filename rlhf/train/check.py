@@ -58,11 +58,12 @@ def _check_data(cfg: PPOConfig, plan: Plan) -> int:
         return d.synthetic.n_train
     if not d.val_files:
         raise CheckFailed("data.train_files is set but data.val_files is empty; give a validation parquet")
-    if not (_is_local(d.train_files) and _is_local(d.val_files)):
-        plan.lines.append(f"data: {d.train_files} / {d.val_files} (remote: read by the run, not here)")
+    paths, train_names, val_names = [*d.train_files, *d.val_files], ", ".join(d.train_files), ", ".join(d.val_files)
+    if not all(_is_local(p) for p in paths):
+        plan.lines.append(f"data: {train_names} / {val_names} (remote: read by the run, not here)")
         return -1
-    if _local_bytes(d.train_files, d.base_dir) + _local_bytes(d.val_files, d.base_dir) > MAX_CHECK_BYTES:
-        plan.lines.append(f"data: {d.train_files} / {d.val_files} (over {MAX_CHECK_BYTES >> 20} MiB: files found, "
+    if sum(_local_bytes(p, d.base_dir) for p in paths) > MAX_CHECK_BYTES:
+        plan.lines.append(f"data: {train_names} / {val_names} (over {MAX_CHECK_BYTES >> 20} MiB: files found, "
                           "rows validated by the run)")
         return -1
     from rlhf.data.io import read_prompts
@@ -70,8 +71,8 @@ def _check_data(cfg: PPOConfig, plan: Plan) -> int:
 
     train = read_prompts(d.train_files, drop_invalid=d.drop_invalid, base_dir=d.base_dir)
     val = read_prompts(d.val_files, drop_invalid=d.drop_invalid, base_dir=d.base_dir)
-    check_data_sources(train, val, d.train_files, d.val_files)
-    plan.lines.append(f"data: {len(train)} train rows ({d.train_files}), {len(val)} val rows ({d.val_files})")
+    check_data_sources(train, val, train_names, val_names)
+    plan.lines.append(f"data: {len(train)} train rows ({train_names}), {len(val)} val rows ({val_names})")
     if not cfg.model.path:
         from rlhf.data.checks import user_sft_split
 

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
 from rlhf.config.load import load_config
 from rlhf.config.schema import ConfigError
+from rlhf.config.verl_defaults import defaults_line
 from rlhf.train.inprocess import train
 from rlhf.trainer import dist as D
 
@@ -40,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_config(args.cfg, args.overrides)
+        _announce_defaults(cfg)
         plan = preflight(cfg)
     except (ConfigError, CheckFailed) as e:
         p.exit(2, f"error: {e}\n")
@@ -61,6 +64,12 @@ def main(argv: list[str] | None = None) -> int:
         print(summary_table(summary_rows(summary, _places(summary))), flush=True)
     D.shutdown()
     return 0
+
+
+def _announce_defaults(cfg) -> None:
+    """The one line saying whose defaults the unset keys took (torchrun: from the first rank only)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(defaults_line(cfg), flush=True)
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

@@ -318,9 +318,12 @@ def train(cfg: PPOConfig) -> dict:
 
         verdict = run_rounds(run, cfg.trainer.total_rounds, after_round=after_round)
         run.flush()  # the last checkpoint is sealed before the run reports it
+        # trainer.save_freq=-1 writes no checkpoint (as verl); the final policy is still the run's output
+        final = ckpt.save_policy(run.out / "final_policy", run.trainer.actor, run.tokenizer) \
+            if cfg.trainer.save_freq <= 0 else None
         summary = _summary(run, verdict)
         if run.rank == 0:
-            _finish(run, summary)
+            _finish(run, summary, final)
         status = "FINISHED"
         return summary
     except KeyboardInterrupt:
@@ -331,12 +334,13 @@ def train(cfg: PPOConfig) -> dict:
             run.close(status, raise_errors=status == "FINISHED")
 
 
-def _finish(run: Run, summary: dict) -> None:
-    """Rank 0 at the end: summary.json (strict JSON), summary metrics, config, curves, final policy."""
+def _finish(run: Run, summary: dict, final: Path | None = None) -> None:
+    """Rank 0 at the end: summary.json (strict JSON), summary metrics, config, curves, final
+    policy (`final`'s, else the last checkpoint's)."""
     from rlhf.tracking.artifacts import log_results
     from rlhf.tracking.results import write_summary
 
-    last = ckpt.latest_checkpoint(run.out, checksums=False)  # sealed a moment ago by this process
+    last = final or ckpt.latest_checkpoint(run.out, checksums=False)  # sealed a moment ago by this process
     summary["final_policy"] = policy = str((last / "actor").resolve()) if last is not None else run.base_dir
     summary["mlflow_run"] = _mlflow_run(run)
     path = write_summary(run.out / "summary.json", summary)

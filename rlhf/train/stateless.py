@@ -77,9 +77,7 @@ def dataset_fingerprint(data: DataConfig) -> str:
     from rlhf.data.io import list_parquet_files, resolve_path
 
     h = hashlib.sha256()
-    for path in (data.train_files, data.val_files):
-        if not path:
-            continue
+    for path in [*data.train_files, *data.val_files]:
         fs, files = list_parquet_files(resolve_path(path, data.base_dir))
         for f in files:
             info = fs.info(f)

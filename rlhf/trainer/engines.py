@@ -46,15 +46,24 @@ def ds_config(cfg: PPOConfig, lr: float, weight_decay: float, grad_clip: float, 
     }
 
 
+def gradient_checkpointing(cfg: PPOConfig, critic: bool) -> bool:
+    """Whether the actor (`model.enable_gradient_checkpointing`) or the critic
+    (`critic.enable_gradient_checkpointing`, null => the actor's) recomputes its activations."""
+    own = cfg.critic.enable_gradient_checkpointing if critic else None
+    return cfg.model.enable_gradient_checkpointing if own is None else own
+
+
 def prepare_module(module: torch.nn.Module, cfg: PPOConfig) -> torch.nn.Module:
-    """Ready a policy or critic for the update before `build_engine`: activation checkpointing
-    when `model.enable_gradient_checkpointing` (recompute each layer in backward, about a
-    third more compute for a fraction of the activation memory), and variable-length
-    attention for packed micro-batches when `data.use_sequence_packing`."""
+    """Ready a policy or critic (a `ValueModel`: a `backbone` and a value head) for the update
+    before `build_engine`: activation checkpointing when `gradient_checkpointing` says so
+    (recompute each layer in backward, about a third more compute for a fraction of the
+    activation memory; the result is the same), and variable-length attention for packed
+    micro-batches when `data.use_sequence_packing`."""
     from rlhf.models.attention import use_varlen_attention
 
+    is_critic = hasattr(module, "backbone")
     hf = getattr(module, "backbone", module)  # the critic's transformer
-    if cfg.model.enable_gradient_checkpointing and hasattr(hf, "gradient_checkpointing_enable"):
+    if gradient_checkpointing(cfg, is_critic) and hasattr(hf, "gradient_checkpointing_enable"):
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.data.use_sequence_packing:
         use_varlen_attention(hf)

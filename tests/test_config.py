@@ -99,4 +99,6 @@ def test_config_choices_resolve_in_registries():
         assert name in algos.ADV_ESTIMATORS
     for name in _CHOICES["algorithm.kl_ctrl.type"]:
         assert name in algos.KL_CONTROLLERS
-    assert set(_CHOICES["actor.loss_agg_mode"]) == set(algos.LOSS_AGG_MODES)
+    # token-sum (verl's sum over the global batch's tokens) is not offered: the update weights each
+    # micro-batch's loss by its share of the mini-batch's rows, which a sum does not survive.
+    assert set(_CHOICES["actor.loss_agg_mode"]) == set(algos.LOSS_AGG_MODES) - {"token-sum"}

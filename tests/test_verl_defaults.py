@@ -216,10 +216,19 @@ def test_every_training_default_of_verl_is_accounted_for(generated):
     assert loose == [], f"verl keys neither compared nor listed with a reason: {loose}"
 
 
+def _same_value(verl_value, ours) -> bool:
+    """Equal, or a threshold this project keeps as the text verl's value is written as
+    (rollout_is_threshold is a number or a 'lower_upper' string in verl)."""
+    if isinstance(ours, str) and isinstance(verl_value, (int, float)) and not isinstance(verl_value, bool):
+        return float(ours) == float(verl_value)
+    return ours == verl_value
+
+
 def test_a_verl_launch_resolves_to_verls_defaults_key_by_key(generated):
     flat = flatten(load_config(None, LAUNCH))
     assert flat["defaults"] == "verl"
-    wrong = {v: (_verl(generated, v), flat[ours]) for v, ours in EQUAL.items() if flat[ours] != _verl(generated, v)}
+    wrong = {v: (_verl(generated, v), flat[ours]) for v, ours in EQUAL.items()
+             if not _same_value(_verl(generated, v), flat[ours])}
     assert wrong == {}, f"verl key: (verl's default, this project's value): {wrong}"
     for v, (ours, meaning) in NULL_HERE.items():
         assert _verl(generated, v) is None and flat[ours] == meaning, v
@@ -251,7 +260,7 @@ def test_explicit_keys_win_and_defaults_project_opts_out():
     assert mine.defaults == "project" and mine.rollout.n == PPOConfig().rollout.n
     counted = load_config(None, [*LAUNCH, "trainer.total_rounds=7"])
     assert (counted.trainer.total_rounds, counted.trainer.total_epochs) == (7, 0)  # rounds win over verl's 30 epochs
-    for setting in ("algorithm.rollout_correction.preset=decoupled_seq_is", f"{AR}.actor.tis_imp_ratio_cap=3.0"):
+    for setting in ("algorithm.rollout_correction.preset=decoupled_seq_is", "actor.tis_imp_ratio_cap=3.0"):
         rc = correction_settings(load_config(None, [*LAUNCH, setting]))  # the setting is the whole correction
         assert rc.rollout_is in ("sequence", "token"), setting
 

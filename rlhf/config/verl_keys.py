@@ -45,6 +45,8 @@ VERL_KEYS: dict[str, str] = {
     "trainer.resume_mode": "trainer.resume",
     "trainer.default_local_dir": "trainer.output_dir",
     "trainer.max_actor_ckpt_to_keep": "trainer.max_ckpt_to_keep",
+    **{f"{_AR}.model.{k}": f"model.{k}" for k in ("lora_rank", "lora_alpha", "target_modules", "exclude_modules")},
+    **{f"critic.model.{k}": f"critic.{k}" for k in ("lora_rank", "lora_alpha", "target_modules", "exclude_modules")},
 }
 
 _SECTIONS_ONLY_IN_VERL = (f"{_AR}.", "reward_model.", "custom_reward_function.", "ray_init.", "ray_kwargs.",
@@ -77,6 +79,11 @@ REFUSED: dict[str, str] = {
     f"{_AR}.rollout.prompt_length": "set data.max_prompt_length",
     "data.custom_cls.path": "datasets are parquet files in verl's layout; no custom dataset class is loaded",
     "data.tokenizer": "the tokenizer is the one saved beside the policy (model.path)",
+    f"{_AR}.model.lora_adapter_path": "training does not start from saved adapters: a LoRA run resumes from its own "
+                                      "checkpoint (trainer.resume); to start from other adapters, merge them into a "
+                                      "model directory and set model.path",
+    "critic.model.lora_adapter_path": "training does not start from saved adapters: a LoRA run resumes from its own "
+                                      "checkpoint (trainer.resume)",
 }
 
 # verl key -> (the only value accepted, the reason).
@@ -85,6 +92,13 @@ FIXED: dict[str, tuple[Any, str]] = {
     "data.reward_fn_key": ("data_source", "the reward function is chosen by 'data_source' (verl's default)"),
     f"{_AR}.hybrid_engine": (True, "rollout and update always share the process and the GPUs here"),
     "reward_model.enable": (None, ""),  # either value: a reward model is used where rows ask for one
+    f"{_AR}.model.use_shm": (False, "models load from their local directory; there is no shared-memory copy"),
+    "critic.model.use_shm": (False, "models load from their local directory; there is no shared-memory copy"),
+    f"{_AR}.rollout.layered_summon": (False, "the LoRA-merged weights a rollout engine gets are built from one "
+                                             "gathered state dict (DeepSpeed, not FSDP): nothing to summon per layer"),
+    f"{_AR}.actor.checkpoint.save_lora_only": (True, "a LoRA run's checkpoints hold its adapters only (and the key "
+                                                     "does nothing without LoRA, as in verl); trainer.save_merged "
+                                                     "writes the merged model"),
 }
 
 

@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rlhf.models.lora import is_adapter_dir, merge_saved_adapters, read_adapter_config
+
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 VALUE_HEAD_FILE = "value_head.safetensors"
 VALUE_CONFIG_FILE = "value_model.json"
@@ -101,11 +103,24 @@ def load_causal_lm(path: str, dtype: str | torch.dtype = "float32", trust_remote
     from transformers import AutoModelForCausalLM
 
     source = check_model_source(path, allow_network)
+    if is_adapter_dir(source):  # LoRA adapters (a checkpoint's actor/): the base they point at, merged
+        return merge_saved_adapters(load_causal_lm(adapter_base(source), dtype, trust_remote_code, allow_network,
+                                                   device), source)
     with _custom_code_refused(path):
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code,
             use_safetensors=True, local_files_only=not allow_network)
     return model.to(device) if device is not None else model
+
+
+def adapter_base(adapter_dir: str) -> str:
+    """The base model directory an adapter directory points at (peft's `base_model_name_or_path`)."""
+    base = read_adapter_config(adapter_dir).get("base_model_name_or_path") or ""
+    if not os.path.isdir(base):
+        raise ModelLoadError(f"'{adapter_dir}' holds LoRA adapters of the base model '{base}', which is not a "
+                             "directory here; load that base and apply the adapters with peft "
+                             "(PeftModel.from_pretrained), or write the merged model with trainer.save_merged=true")
+    return base
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False, allow_network: bool = False):

@@ -49,6 +49,7 @@ import torch
 
 from rlhf.config.schema import PPOConfig
 from rlhf.config.sizes import Sizes, derive_sizes
+from rlhf.models import lora
 from rlhf.round import checkpoint as ckpt
 from rlhf.round import evaluate as validation
 from rlhf.round import stages
@@ -107,15 +108,34 @@ def build_trainer(cfg: PPOConfig, sizes: Sizes, base_dir: str, device: torch.dev
 
     m = cfg.model
     opts = load_options(m)
-    actor = load_causal_lm(str(resume / "actor") if resume else base_dir, dtype=m.dtype, **opts)
+    actor_lora, critic_lora = lora.actor_spec(cfg), lora.critic_spec(cfg)
+    actor = load_causal_lm(str(resume / "actor") if resume and not actor_lora.enabled else base_dir,
+                           dtype=m.dtype, **opts)
+    if actor_lora.enabled:  # the base weights with adapters (the checkpoint's, on resume)
+        actor = with_adapters(actor, actor_lora, base_dir, resume / "actor" if resume else None)
     critic = None
     if cfg.algorithm.adv_estimator == "gae":
-        if resume:
+        if resume and not critic_lora.enabled:
             critic = ValueModel.from_pretrained(str(resume / "critic"), dtype=m.dtype, **opts)
         else:
             critic = ValueModel.from_causal_lm_dir(critic_source(cfg, base_dir), dtype=m.dtype, **opts)
-    ref = frozen_reference(base_dir, dtype=m.dtype, **opts)
+        if critic_lora.enabled:
+            critic = with_adapters(critic, critic_lora, critic_source(cfg, base_dir),
+                                   resume / "critic" if resume else None)
+    # The reference is the base policy: with LoRA, the actor's own module with its adapters off.
+    ref = lora.BaseView(actor) if actor_lora.enabled else frozen_reference(base_dir, dtype=m.dtype, **opts)
     return PPOTrainer(cfg, sizes, actor, critic, ref, device)
+
+
+def with_adapters(model, spec: lora.LoraSpec, base_dir: str, saved: Optional[Path]):
+    """`model` (the base weights from `base_dir`) with `spec`'s adapters added, and those of
+    checkpoint directory `saved` (and its value head) copied in when given."""
+    from rlhf.round.lora_checkpoint import restore_adapters
+
+    lora.add_adapters(getattr(model, "backbone", model), spec, base_path=str(Path(base_dir).resolve()))
+    if saved is not None:
+        restore_adapters(model, saved, base_dir)
+    return model
 
 
 def critic_source(cfg: PPOConfig, base_dir: str) -> str:

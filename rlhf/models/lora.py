@@ -29,21 +29,16 @@ import json
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
 from torch import nn
 
-ADAPTER_CONFIG = "adapter_config.json"  # peft's names: PeftModel.from_pretrained reads these
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
+from rlhf.models.load import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, LoraSetupError,  # noqa: F401
+                              is_adapter_dir, read_adapter_config)
+
 ADAPTER_NAME = "default"
 _LORA_KEY = re.compile(rf"\.lora_(A|B)\.{ADAPTER_NAME}\.weight$")
-PEFT_PREFIX = "base_model.model."  # what peft's saved keys start with
-
-
-class LoraSetupError(ValueError):
-    """LoRA cannot be set up as configured; the message names the key to change."""
 
 
 @dataclass(frozen=True)
@@ -270,45 +265,3 @@ def adapter_config_json(root: nn.Module, base_path: str, extra: Optional[dict] =
             d[k] = sorted(v)
     d.update(extra or {})
     return json.dumps(d, indent=1, sort_keys=True, default=str)
-
-
-def read_adapter_config(path: str | Path) -> dict:
-    f = Path(path) / ADAPTER_CONFIG
-    try:
-        return json.loads(f.read_text())
-    except (OSError, ValueError) as e:
-        raise LoraSetupError(f"'{path}' holds no readable {ADAPTER_CONFIG} ({e}); it is not a LoRA adapter "
-                             "directory") from e
-
-
-def is_adapter_dir(path: str | Path) -> bool:
-    return (Path(path) / ADAPTER_CONFIG).is_file() and (Path(path) / ADAPTER_WEIGHTS).is_file()
-
-
-def spec_of_dir(path: str | Path, prefix: str = "model") -> LoraSpec:
-    """The `LoraSpec` an adapter directory was saved with."""
-    c = read_adapter_config(path)
-    targets = c.get("target_modules")
-    targets = (targets,) if isinstance(targets, str) else tuple(sorted(targets or ()))
-    return LoraSpec(int(c["r"]), c["lora_alpha"], targets, c.get("exclude_modules"), prefix)
-
-
-def merge_saved_adapters(model: nn.Module, adapter_dir: str | Path) -> nn.Module:
-    """Add the adapters saved in `adapter_dir` to the plain `model` (its base) in place,
-    `W += (alpha / r) B A` per adapted layer; returns `model`."""
-    from safetensors.torch import load_file
-
-    spec = spec_of_dir(adapter_dir)
-    saved = load_file(str(Path(adapter_dir) / ADAPTER_WEIGHTS))
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for k, a in saved.items():
-            if not k.endswith(".lora_A.weight"):
-                continue
-            layer = k[len(PEFT_PREFIX):-len(".lora_A.weight")]
-            w = params.get(f"{layer}.weight")
-            if w is None:
-                raise LoraSetupError(f"{adapter_dir}: adapter '{k}' names no layer of the base model")
-            delta = (saved[k.replace(".lora_A.", ".lora_B.")].float() @ a.float()) * spec.scaling
-            w.copy_((w.float() + delta.to(w.device)).to(w.dtype))
-    return model

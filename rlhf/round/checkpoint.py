@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from rlhf.models.lora import has_adapters, lora_scaling, merged_state_dict
+from rlhf.round.lora_checkpoint import adapter_files
 
 log = logging.getLogger(__name__)
 
@@ -297,16 +298,13 @@ def _write_small_files(tmp: Path, trainer, tokenizer, cfg, state, state_dicts: d
 def hf_model_files(module, state_dict: dict, tokenizer, path: Path, merged: bool = False) -> list:
     """A causal LM or a `ValueModel` as `save_pretrained` lays it out: its config and
     tokenizer written now, its (gathered) weights returned as `TensorFile`s to write.
-    Tied weights are stored once, under the name `save_pretrained` keeps. A model with LoRA
-    adapters is saved as its adapters (`rlhf.round.lora_checkpoint`), unless `state_dict`
-    is already `merged` into the plain model's."""
+    Tied weights are stored once, under the name `save_pretrained` keeps. A LoRA model is
+    saved as its adapters (`lora_checkpoint`) unless `state_dict` is `merged` already."""
     from rlhf.round.checkpoint_io import TensorFile
     from rlhf.models.load import VALUE_CONFIG_FILE, VALUE_HEAD_FILE
 
     if has_adapters(module) and not merged:
-        from rlhf.round.lora_checkpoint import adapter_files
-
-        return adapter_files(module, state_dict, tokenizer, path)
+        return [TensorFile(f, "safetensors", t) for f, t in adapter_files(module, state_dict, tokenizer, path).items()]
     path.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(path))
     if hasattr(module, "value_head"):  # ValueModel: the backbone's directory plus the head

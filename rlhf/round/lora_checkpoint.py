@@ -38,11 +38,10 @@ def base_digest(base_dir: str) -> dict[str, str]:
     return _DIGESTS[key]
 
 
-def adapter_files(module, state_dict: dict, tokenizer, path: Path) -> list:
+def adapter_files(module, state_dict: dict, tokenizer, path: Path) -> dict[Path, dict]:
     """A LoRA model's checkpoint directory at `path`: its small files written now, the adapter
-    (and value-head) tensors returned as `TensorFile`s to write."""
+    (and value-head) tensors returned as {safetensors file: tensors} to write."""
     from rlhf.models.load import VALUE_CONFIG_FILE, VALUE_HEAD_FILE
-    from rlhf.round.checkpoint_io import TensorFile
 
     root = lora.lora_root(module)
     base = root.peft_config[lora.ADAPTER_NAME].base_model_name_or_path or ""
@@ -52,12 +51,12 @@ def adapter_files(module, state_dict: dict, tokenizer, path: Path) -> list:
     (path / lora.ADAPTER_CONFIG).write_text(lora.adapter_config_json(root, base))
     (path / BASE_FILE).write_text(json.dumps({"path": base, "files": base_digest(base)}, indent=1, sort_keys=True))
     prefix = "backbone." if root is not module else ""
-    files = [TensorFile(path / lora.ADAPTER_WEIGHTS, "safetensors", lora.adapter_state_dict(state_dict, prefix))]
+    files = {path / lora.ADAPTER_WEIGHTS: lora.adapter_state_dict(state_dict, prefix)}
     if hasattr(module, "value_head"):
-        head = {k[len("value_head."):]: v for k, v in state_dict.items() if k.startswith("value_head.")}
         (path / VALUE_CONFIG_FILE).write_text(json.dumps({"value_head": VALUE_HEAD_FILE,
                                                           "hidden_size": module.config.hidden_size}))
-        files.append(TensorFile(path / VALUE_HEAD_FILE, "safetensors", head))
+        files[path / VALUE_HEAD_FILE] = {k[len("value_head."):]: v for k, v in state_dict.items()
+                                         if k.startswith("value_head.")}
     return files
 
 

@@ -245,3 +245,4 @@ def test_engines_train_the_adapters_and_hand_merged_weights_to_a_rollout(tmp_pat
     assert not torch.allclose(got, base, atol=1e-3), "the update moved no adapter"
     tol = 1e-4 if r.cfg.model.dtype == "float32" else 5e-2
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+

@@ -71,8 +71,8 @@ def check_base(adapter_dir: Path, base_dir: str) -> None:
     changed = sorted(n for n in set(saved) | set(now) if saved.get(n) != now.get(n))
     if changed:
         raise lora.LoraSetupError(
-            f"the adapters in {adapter_dir} were trained on other base weights than {base_dir} ({', '.join(changed[:3])} "
-            "differ): point model.path (critic: model.critic_path) at the base they were trained on, or start "
+            f"the adapters in {adapter_dir} were trained on other base weights than {base_dir} "
+            f"({', '.join(changed[:3])} differ): point model.path (critic: model.critic_path) at the base they were trained on, or start "
             "without this checkpoint (trainer.resume=disable)")
 
 

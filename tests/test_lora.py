@@ -246,3 +246,28 @@ def test_engines_train_the_adapters_and_hand_merged_weights_to_a_rollout(tmp_pat
     tol = 1e-4 if r.cfg.model.dtype == "float32" else 5e-2
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
+
+
+@pytest.mark.slow
+def test_smollm2_reference_merge_and_adapter_share(smollm2_dir, one_thread):
+    """On a real pretrained model (SmolLM2-135M, Llama, tied embeddings): rank-8 adapters on all
+    linear layers are under 2% of its parameters; with them off it is the base model exactly,
+    and merged into the weights it gives the adapted logits."""
+    from rlhf.models.load import load_causal_lm
+
+    base = load_causal_lm(smollm2_dir).eval()
+    model = lora.add_adapters(load_causal_lm(smollm2_dir), lora.LoraSpec(8, 16)).eval()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert 0 < trainable < 0.02 * sum(p.numel() for p in base.parameters())
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(0, 0.02)
+        ids = torch.randint(100, 40000, (1, 16))
+        want = base(input_ids=ids).logits
+        assert torch.equal(lora.BaseView(model)(input_ids=ids).logits, want)
+        adapted = model(input_ids=ids).logits
+        assert not torch.allclose(adapted, want, atol=1e-2)
+        base.load_state_dict(lora.merged_state_dict(model.state_dict(), lora.lora_scaling(model)), strict=False)
+        torch.testing.assert_close(base(input_ids=ids).logits, adapted, rtol=1e-3, atol=1e-3)

@@ -38,6 +38,7 @@ segment saves after the decision inside the segment and after the last update at
 
 from __future__ import annotations
 
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -50,6 +51,7 @@ import torch
 from rlhf.config.schema import PPOConfig
 from rlhf.config.sizes import Sizes, derive_sizes
 from rlhf.models import lora
+from rlhf.models.load import is_adapter_dir
 from rlhf.round import checkpoint as ckpt
 from rlhf.round import evaluate as validation
 from rlhf.round import stages
@@ -213,8 +215,15 @@ def make_engine(cfg: PPOConfig, policy_dir: str, tokenizer, device: torch.device
 
 
 def policy_engine(cfg: PPOConfig, model_dir: str, device: torch.device):
-    """(engine, tokenizer) for the policy saved in `model_dir`, with that directory's tokenizer."""
+    """(engine, tokenizer) for the policy saved in `model_dir`, with that directory's tokenizer.
+    LoRA adapters (a LoRA checkpoint's actor/) are merged into their base first for vLLM,
+    which loads a plain model directory; the HF engines merge them as they load."""
     tokenizer = load_tokenizer(cfg, model_dir)
+    if cfg.rollout.name == "vllm" and is_adapter_dir(model_dir):
+        from rlhf.models.load import load_causal_lm, load_options, save_model_atomic
+
+        merged = load_causal_lm(model_dir, dtype=cfg.model.dtype, **load_options(cfg.model))
+        model_dir = save_model_atomic(merged, tokenizer, str(Path(tempfile.mkdtemp(prefix="merged_policy_")) / "m"))
     return make_engine(cfg, model_dir, tokenizer, device), tokenizer
 
 

@@ -55,10 +55,6 @@ class LoraSpec:
     def enabled(self) -> bool:
         return self.rank > 0
 
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.rank
-
     def peft_config(self):
         from peft import LoraConfig  # optional dependency
 

@@ -95,6 +95,10 @@ def test_all_linear_adapts_every_linear_layer_but_the_lm_head_and_freezes_the_re
     adapted = {n.split(".lora_A.")[0] for n in trainable if ".lora_A." in n}
     linear = {n for n, m in small_model(tok).named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
     assert adapted == linear
+    # exclude_modules is a regular expression matched against the whole module path (peft's, verl's)
+    model = lora.add_adapters(small_model(tok), lora.LoraSpec(4, exclude_modules=r".*layers\.0\..*"))
+    adapted = {n.split(".lora_A.")[0] for n, p in model.named_parameters() if ".lora_A." in n}
+    assert adapted == {n for n in linear if ".layers.0." not in n} and adapted
 
 
 def test_reference_with_adapters_off_is_the_base_model_and_merge_matches(tok):

@@ -17,25 +17,42 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from rlhf.models import lora
 
 BASE_FILE = "base_model.json"
-_DIGESTS: dict[tuple, dict[str, str]] = {}  # (dir, files' names, sizes and mtimes) -> digests: hashed once per process
+# (dir, files' names, sizes and mtimes) -> the digests, being computed or done: each base is hashed once per process
+_DIGESTS: dict[tuple, Future] = {}
+_LOCK = threading.Lock()
 
 
 def base_digest(base_dir: str) -> dict[str, str]:
     """The digest of every weight and config file of the base model directory `base_dir`."""
-    from rlhf.round.tensor_files import file_digest, hash_name
+    return start_base_digest(base_dir).result()
 
+
+def start_base_digest(base_dir: str) -> Future:
+    """Start hashing the base model's files in a background thread (a 7B base is 15 GB: the
+    first checkpoint should not wait for it); the future's result is `base_digest`'s."""
     d = Path(base_dir)
     names = sorted(n for n in os.listdir(d) if n.endswith((".safetensors", ".json")) and (d / n).is_file())
     key = (str(d.resolve()), tuple((n, (d / n).stat().st_size, (d / n).stat().st_mtime_ns) for n in names))
-    if key not in _DIGESTS:
-        algo = hash_name()
-        _DIGESTS[key] = {n: f"{algo}:{file_digest(d / n, algo)}" for n in names}
-    return _DIGESTS[key]
+    with _LOCK:
+        if key not in _DIGESTS:
+            pool = ThreadPoolExecutor(1, thread_name_prefix="base-digest")
+            _DIGESTS[key] = pool.submit(_digests, d, names)
+            pool.shutdown(wait=False)  # its thread ends after this one job
+        return _DIGESTS[key]
+
+
+def _digests(d: Path, names: list[str]) -> dict[str, str]:
+    from rlhf.round.tensor_files import file_digest, hash_name
+
+    algo = hash_name()
+    return {n: f"{algo}:{file_digest(d / n, algo)}" for n in names}
 
 
 def adapter_files(module, state_dict: dict, tokenizer, path: Path) -> dict[Path, dict]:

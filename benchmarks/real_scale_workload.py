@@ -26,7 +26,7 @@ TINY = {**WORKLOAD, "data.train_batch_size": 4, "rollout.n": 2, "data.max_prompt
         "critic.ppo_micro_batch_size_per_gpu": 2, "actor.ppo_max_token_len_per_gpu": 256,
         "rollout.generate_batch_size": 16, "model.dtype": "float32", "deepspeed.bf16": False,
         "trainer.device": "cpu", "trainer.num_threads": 1, "trainer.save_freq": 2}
-N_VAL = {"1.5b": 64, "tiny": 4}
+N_VAL = {"1.5b": 64, "7b": 64, "tiny": 4}
 
 
 def make_workload(root: Path, shape: str, device: torch.device, n_train: int, n_val: int, max_prompt: int):

@@ -38,6 +38,8 @@ EQUAL = {
     "critic.model.use_remove_padding": "data.use_sequence_packing",
     f"{AR}.model.enable_gradient_checkpointing": "model.enable_gradient_checkpointing",
     "critic.model.enable_gradient_checkpointing": "critic.enable_gradient_checkpointing",
+    **{f"{AR}.model.{k}": f"model.{k}" for k in ("lora_rank", "lora_alpha", "target_modules", "exclude_modules")},
+    **{f"critic.model.{k}": f"critic.{k}" for k in ("lora_rank", "lora_alpha", "target_modules", "exclude_modules")},
     f"{AR}.model.trust_remote_code": "model.trust_remote_code",
     "critic.model.trust_remote_code": "model.trust_remote_code",
     f"{AR}.actor.optim.lr": "actor.lr", f"{AR}.actor.optim.weight_decay": "actor.weight_decay",
@@ -104,7 +106,7 @@ BUILT_IN = {
     f"{AR}.rollout.do_sample": False, f"{AR}.rollout.ignore_eos": True, f"{AR}.rollout.over_sample_rate": 0.1,
     f"{AR}.rollout.logprobs_mode": "raw_logprobs", f"{AR}.rollout.val_kwargs.n": 4,
     f"{AR}.rollout.val_kwargs.do_sample": True, f"{AR}.rollout.val_kwargs.top_p": 0.9,
-    f"{AR}.rollout.val_kwargs.top_k": 5, f"{AR}.model.lora_rank": 8, "critic.model.lora_rank": 8,
+    f"{AR}.rollout.val_kwargs.top_k": 5,
     "critic.loss_scale_factor": 512, "algorithm.filter_groups.enable": True, "algorithm.use_pf_ppo": True,
     "data.train_max_samples": 100, "data.gen_batch_size": 64, "trainer.val_only": True,
     "trainer.validation_data_dir": "/tmp/val",
@@ -167,11 +169,9 @@ NOT_TRAINING = (
     f"{AR}.rollout.skip_tokenizer_init", f"{AR}.rollout.moe_", f"{AR}.rollout.quantization", f"{AR}.rollout.mtp",
     f"{AR}.rollout.qat", f"{AR}.model.hf_config_path", f"{AR}.model.tokenizer_path", f"{AR}.model.use_shm",
     f"{AR}.model.custom_chat_template", f"{AR}.model.external_lib", f"{AR}.model.enable_activation_offload",
-    f"{AR}.model.lora_alpha", f"{AR}.model.target_modules", f"{AR}.model.exclude_modules",
     f"{AR}.model.lora_adapter_path", f"{AR}.model.use_liger", f"{AR}.model.use_fused_kernels",
     "critic.model.hf_config_path", "critic.model.tokenizer_path", "critic.model.use_shm",
     "critic.model.custom_chat_template", "critic.model.external_lib", "critic.model.enable_activation_offload",
-    "critic.model.lora_alpha", "critic.model.target_modules", "critic.model.exclude_modules",
     "critic.model.lora_adapter_path", "critic.model.use_liger", "critic.model.use_fused_kernels",
     "data.use_shm", "data.val_max_samples", "data.tool_config_path", "data.function_tool_path",
     "data.return_raw_input_ids", "data.return_full_prompt", "data.dataloader_num_workers", "data.image_",
@@ -221,6 +221,8 @@ def _same_value(verl_value, ours) -> bool:
     (rollout_is_threshold is a number or a 'lower_upper' string in verl)."""
     if isinstance(ours, str) and isinstance(verl_value, (int, float)) and not isinstance(verl_value, bool):
         return float(ours) == float(verl_value)
+    if isinstance(ours, list) and isinstance(verl_value, str):  # target_modules: one name or all-linear
+        return ours == [verl_value]
     return ours == verl_value
 
 

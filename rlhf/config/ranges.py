@@ -40,6 +40,8 @@ RANGES: dict[str, str] = {
     "actor.ppo_max_token_len_per_gpu": _POS, "actor.clip_ratio": "(0, 1)", "actor.clip_ratio_low": "(0, 1)",
     "actor.clip_ratio_high": "(0, inf)", "actor.clip_ratio_c": "(1, inf)", "actor.entropy_coeff": _ANY,
     "actor.grad_clip": _NONNEG, "actor.kl_loss_coef": _NONNEG, "actor.tis_imp_ratio_cap": "-1 | (0, inf)",
+    "model.lora_rank": _NONNEG, "model.lora_alpha": "(0, inf)", "critic.lora_rank": _NONNEG,
+    "critic.lora_alpha": "(0, inf)",
     "critic.lr": _NONNEG, "critic.weight_decay": _NONNEG, "critic.ppo_epochs": _POS,
     "critic.cliprange_value": "(0, inf)", "critic.grad_clip": _NONNEG, "critic.ppo_micro_batch_size_per_gpu": _POS,
     "rollout.n": _POS, "rollout.temperature": "(0, inf)", "rollout.top_p": "(0, 1]", "rollout.top_k": "-1 | [1, inf)",

@@ -102,6 +102,10 @@ class ModelConfig:
     allow_network: bool = False  # hub names are fetched only when this is true
     dtype: str = "float32"  # "float32" | "bfloat16"
     enable_gradient_checkpointing: bool = False  # recompute the actor's activations in backward (less memory; the critic too unless critic.enable_gradient_checkpointing says otherwise)
+    lora_rank: int = 0  # > 0: train LoRA adapters of this rank on the actor (peft), the base weights frozen; 0 => off (verl)
+    lora_alpha: int = 16  # LoRA scaling: an adapter adds (lora_alpha / lora_rank) x B A to its layer's weight
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # layers given adapters: all-linear (every linear layer but the LM head) or module names (peft matches a name or a suffix)
+    exclude_modules: Optional[str] = None  # a regex (full match on the module path) of layers left without adapters
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
 
@@ -139,6 +143,10 @@ class CriticConfig:
     loss_agg_mode: str = "token-mean"  # aggregation of the value loss
     ppo_micro_batch_size_per_gpu: int = 64  # responses per critic forward/backward
     enable_gradient_checkpointing: Optional[bool] = None  # recompute the critic's activations in backward; null => model.enable_gradient_checkpointing
+    lora_rank: int = 0  # > 0: LoRA adapters of this rank on the critic's backbone, its value head trained in full; 0 => off
+    lora_alpha: int = 16  # critic LoRA scaling (lora_alpha / lora_rank)
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # critic layers given adapters (as model.target_modules)
+    exclude_modules: Optional[str] = None  # a regex of critic layers left without adapters
 
 
 @dataclass(frozen=True)
@@ -238,6 +246,7 @@ class TrainerConfig:
     save_freq: int = 5  # rounds between checkpoints (plus one after the last round and at an early stop); -1 => no checkpoint, as verl (the final policy is still written)
     granularity: str = "segment"  # Flyte rounds: "segment" (K rounds per GPU task; real sizes) | "stage" (task per stage)
     rounds_per_segment: int = 10  # K: rounds one colocated Flyte segment runs (granularity=segment)
+    save_merged: bool = False  # with model.lora_rank > 0: write the actor with its adapters merged in (a plain model directory) to <output_dir>/merged_policy at the end
 
 
 @dataclass(frozen=True)

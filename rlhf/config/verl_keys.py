@@ -56,6 +56,8 @@ VERL_KEYS: dict[str, str] = {
     "trainer.resume_mode": "trainer.resume",
     "trainer.default_local_dir": "trainer.output_dir",
     "trainer.max_actor_ckpt_to_keep": "trainer.max_ckpt_to_keep",
+    **{f"{_AR}.model.{k}": f"model.{k}" for k in ("lora_rank", "lora_alpha", "target_modules", "exclude_modules")},
+    **{f"critic.model.{k}": f"critic.{k}" for k in ("lora_rank", "lora_alpha", "target_modules", "exclude_modules")},
 }
 
 _SECTIONS_ONLY_IN_VERL = (f"{_AR}.", "reward_model.", "custom_reward_function.", "ray_init.", "ray_kwargs.",
@@ -120,6 +122,11 @@ REFUSED: dict[str, str] = {
     "data.custom_cls.path": "datasets are parquet files in verl's layout; no custom dataset class is loaded",
     "data.tokenizer": "the tokenizer is the one saved beside the policy (model.path)",
     **_OLDER_CORRECTION_KEYS,
+    f"{_AR}.model.lora_adapter_path": "training does not start from saved adapters: a LoRA run resumes from its own "
+                                      "checkpoint (trainer.resume); to start from other adapters, merge them into a "
+                                      "model directory and set model.path",
+    "critic.model.lora_adapter_path": "training does not start from saved adapters: a LoRA run resumes from its own "
+                                      "checkpoint (trainer.resume)",
 }
 
 _ANY = object()  # FIXED: every value accepted (the key changes nothing here)
@@ -139,8 +146,13 @@ FIXED: dict[str, tuple[tuple[Any, ...], str]] = {
     f"{_AR}.actor.loss_scale_factor": ((None,), "losses are aggregated by actor.loss_agg_mode alone"),
     "critic.loss_scale_factor": ((None,), "losses are aggregated by critic.loss_agg_mode alone"),
     f"{_AR}.actor.use_prefix_grouper": ((False,), "no prefix grouping"),
-    f"{_AR}.model.lora_rank": ((0,), "full fine-tuning only (no LoRA)"),
-    "critic.model.lora_rank": ((0,), "full fine-tuning only (no LoRA)"),
+    f"{_AR}.model.use_shm": ((False,), "models load from their local directory; there is no shared-memory copy"),
+    "critic.model.use_shm": ((False,), "models load from their local directory; there is no shared-memory copy"),
+    f"{_AR}.rollout.layered_summon": ((False,), "the LoRA-merged weights a rollout engine gets are built from one "
+                                                "gathered state dict (DeepSpeed, not FSDP): nothing to summon per layer"),
+    f"{_AR}.actor.checkpoint.save_lora_only": ((True,), "a LoRA run's checkpoints hold its adapters only (and the key "
+                                                        "does nothing without LoRA, as in verl); trainer.save_merged "
+                                                        "writes the merged model"),
     f"{_AR}.rollout.do_sample": ((True,), "training rollouts sample (rollout.temperature)"),
     f"{_AR}.rollout.ignore_eos": ((False,), "generation stops at EOS"),
     f"{_AR}.rollout.over_sample_rate": ((0, 0.0), "every sampled response is kept"),

@@ -28,8 +28,17 @@ VALUE_CONFIG_FILE = "value_model.json"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+ADAPTER_CONFIG = "adapter_config.json"  # peft's names: PeftModel.from_pretrained reads these
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."  # what peft's saved adapter keys start with
+
+
 class ModelLoadError(ValueError):
     """A model path cannot be loaded; the message says why and what to do."""
+
+
+class LoraSetupError(ValueError):
+    """LoRA cannot be set up as configured, or saved adapters do not fit; the message says what to change."""
 
 
 def torch_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -101,11 +110,59 @@ def load_causal_lm(path: str, dtype: str | torch.dtype = "float32", trust_remote
     from transformers import AutoModelForCausalLM
 
     source = check_model_source(path, allow_network)
+    if is_adapter_dir(source):  # LoRA adapters (a checkpoint's actor/): the base they point at, merged
+        return merge_saved_adapters(load_causal_lm(adapter_base(source), dtype, trust_remote_code, allow_network,
+                                                   device), source)
     with _custom_code_refused(path):
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code,
             use_safetensors=True, local_files_only=not allow_network)
     return model.to(device) if device is not None else model
+
+
+def is_adapter_dir(path: str | Path) -> bool:
+    """Whether `path` holds LoRA adapters in peft's layout (a LoRA run's checkpoint `actor/`)."""
+    return (Path(path) / ADAPTER_CONFIG).is_file() and (Path(path) / ADAPTER_WEIGHTS).is_file()
+
+
+def read_adapter_config(path: str | Path) -> dict:
+    f = Path(path) / ADAPTER_CONFIG
+    try:
+        return json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise LoraSetupError(f"'{path}' holds no readable {ADAPTER_CONFIG} ({e}); it is not a LoRA adapter "
+                             "directory") from e
+
+
+def merge_saved_adapters(model: nn.Module, adapter_dir: str | Path) -> nn.Module:
+    """Add the adapters saved in `adapter_dir` to the plain `model` (their base) in place,
+    `W += (lora_alpha / r) B A` per adapted layer; returns `model`."""
+    from safetensors.torch import load_file
+
+    c = read_adapter_config(adapter_dir)
+    scaling = c["lora_alpha"] / c["r"]
+    saved = load_file(str(Path(adapter_dir) / ADAPTER_WEIGHTS))
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for k, a in saved.items():
+            if not k.endswith(".lora_A.weight"):
+                continue
+            w = params.get(k[len(PEFT_PREFIX):-len(".lora_A.weight")] + ".weight")
+            if w is None:
+                raise LoraSetupError(f"{adapter_dir}: adapter '{k}' names no layer of its base model")
+            delta = (saved[k.replace(".lora_A.", ".lora_B.")].float() @ a.float()) * scaling  # (out, r) @ (r, in)
+            w.copy_((w.float() + delta.to(w.device)).to(w.dtype))
+    return model
+
+
+def adapter_base(adapter_dir: str) -> str:
+    """The base model directory an adapter directory points at (peft's `base_model_name_or_path`)."""
+    base = read_adapter_config(adapter_dir).get("base_model_name_or_path") or ""
+    if not os.path.isdir(base):
+        raise ModelLoadError(f"'{adapter_dir}' holds LoRA adapters of the base model '{base}', which is not a "
+                             "directory here; load that base and apply the adapters with peft "
+                             "(PeftModel.from_pretrained), or write the merged model with trainer.save_merged=true")
+    return base
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False, allow_network: bool = False):

@@ -27,6 +27,9 @@ from typing import Callable
 
 import torch
 
+from rlhf.models.lora import has_adapters, lora_scaling, merged_state_dict
+from rlhf.round.lora_checkpoint import adapter_files
+
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^round_(\d{6})$")
@@ -293,13 +296,16 @@ def _write_small_files(tmp: Path, trainer, tokenizer, cfg, state, state_dicts: d
     return files
 
 
-def hf_model_files(module, state_dict: dict, tokenizer, path: Path) -> list:
+def hf_model_files(module, state_dict: dict, tokenizer, path: Path, merged: bool = False) -> list:
     """A causal LM or a `ValueModel` as `save_pretrained` lays it out: its config and
     tokenizer written now, its (gathered) weights returned as `TensorFile`s to write.
-    Tied weights are stored once, under the name `save_pretrained` keeps."""
+    Tied weights are stored once, under the name `save_pretrained` keeps. A LoRA model is
+    saved as its adapters (`lora_checkpoint`) unless `state_dict` is `merged` already."""
     from rlhf.round.checkpoint_io import TensorFile
     from rlhf.models.load import VALUE_CONFIG_FILE, VALUE_HEAD_FILE
 
+    if has_adapters(module) and not merged:
+        return [TensorFile(f, "safetensors", t) for f, t in adapter_files(module, state_dict, tokenizer, path).items()]
     path.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(path))
     if hasattr(module, "value_head"):  # ValueModel: the backbone's directory plus the head
@@ -335,7 +341,9 @@ def save_policy(path: Path, actor, tokenizer) -> Path:
     if D.world()[0] == 0:
         tmp = path.parent / f".tmp_{path.name}"
         shutil.rmtree(tmp, ignore_errors=True)
-        files: list[TensorFile] = hf_model_files(actor.module, sd, tokenizer, tmp / "actor")
+        if has_adapters(actor.module):  # engines and servers load plain weights: W + (alpha / r) B A
+            sd = merged_state_dict(sd, lora_scaling(actor.module))
+        files: list[TensorFile] = hf_model_files(actor.module, sd, tokenizer, tmp / "actor", merged=True)
         run_file_jobs(files)
         commit(tmp, path)
     D.barrier()

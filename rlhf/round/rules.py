@@ -78,16 +78,19 @@ def step_metrics(steps: list[dict[str, float]], gen: dict[str, float], timing: d
 
 def perf_metrics(m: dict[str, float], tokens: float, world: int, trainer, device: torch.device
                  ) -> dict[str, float]:
-    """Throughput (tokens per second per GPU over the update) and actor MFU from 6 * params * tokens."""
+    """Throughput (tokens per second per GPU over the update) and actor MFU: per token, 2 FLOPs per
+    parameter forward, 2 backward to the activations and 2 more for a trainable parameter's
+    gradient (6 x params in full; about 4 x params with LoRA, whose base weights get no gradient)."""
     upd = m.get("timing_s/update", 0.0)
     out = {"perf/total_num_tokens": tokens}
     if upd > 0:
         out["perf/throughput"] = tokens / upd / world
-        n_params = sum(p.numel() for p in trainer.actor.module.parameters())
+        params = list(trainer.actor.module.parameters())
+        flops_per_token = 4.0 * sum(p.numel() for p in params) + 2.0 * sum(p.numel() for p in params if p.requires_grad)
         actor_t = m.get("timing_s/update_actor", upd)
         peak = peak_flops(device)
         if peak and actor_t > 0:
-            out["perf/mfu/actor"] = 6.0 * n_params * tokens * trainer.cfg.actor.ppo_epochs / actor_t / world / peak
+            out["perf/mfu/actor"] = flops_per_token * tokens * trainer.cfg.actor.ppo_epochs / actor_t / world / peak
     if device.type == "cuda":
         out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
     else:

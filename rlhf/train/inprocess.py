@@ -20,6 +20,7 @@ import torch
 
 from rlhf.config.schema import ConfigError, PPOConfig
 from rlhf.config.sizes import resolve_epochs
+from rlhf.models.lora import has_adapters
 from rlhf.round import checkpoint as ckpt
 from rlhf.round import offline, rules, stages
 from rlhf.round.policy import prepare_policy
@@ -94,6 +95,8 @@ class Run:
                      self.state.global_step, self.state.kl_coef)
         # The engine is built on first use (`engine`): offline training without validation never builds one.
         self._policy_dir, self._engine = (str(resume / "actor") if resume else base_dir), None
+        if resume and has_adapters(self.trainer.actor.module):
+            self.sync_engine()  # the checkpoint's actor/ holds adapters; vLLM loads them merged into the base
         self.offline = offline.offline_table(cfg, self.tokenizer)  # the stored rollouts, or None (online)
         self.reward_model = stages.load_reward_model(cfg, self.device)
         self.last_step: dict[str, float] = {}  # the last PPO step's full metrics (for the round line)
@@ -322,6 +325,9 @@ def train(cfg: PPOConfig) -> dict:
         final = ckpt.save_policy(run.out / "final_policy", run.trainer.actor, run.tokenizer) \
             if cfg.trainer.save_freq <= 0 else None
         summary = _summary(run, verdict)
+        if cfg.trainer.save_merged:  # a plain model directory for serving: LoRA adapters merged in
+            summary["merged_policy"] = str(ckpt.save_policy(run.out / "merged_policy", run.trainer.actor,
+                                                            run.tokenizer).resolve() / "actor")
         if run.rank == 0:
             _finish(run, summary, final)
         status = "FINISHED"

@@ -38,6 +38,7 @@ segment saves after the decision inside the segment and after the last update at
 
 from __future__ import annotations
 
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -49,6 +50,8 @@ import torch
 
 from rlhf.config.schema import PPOConfig
 from rlhf.config.sizes import Sizes, derive_sizes
+from rlhf.models import lora
+from rlhf.models.load import is_adapter_dir
 from rlhf.round import checkpoint as ckpt
 from rlhf.round import evaluate as validation
 from rlhf.round import stages
@@ -107,15 +110,36 @@ def build_trainer(cfg: PPOConfig, sizes: Sizes, base_dir: str, device: torch.dev
 
     m = cfg.model
     opts = load_options(m)
-    actor = load_causal_lm(str(resume / "actor") if resume else base_dir, dtype=m.dtype, **opts)
+    actor_lora, critic_lora = lora.actor_spec(cfg), lora.critic_spec(cfg)
+    actor = load_causal_lm(str(resume / "actor") if resume and not actor_lora.enabled else base_dir,
+                           dtype=m.dtype, **opts)
+    if actor_lora.enabled:  # the base weights with adapters (the checkpoint's, on resume)
+        actor = with_adapters(actor, actor_lora, base_dir, resume / "actor" if resume else None)
     critic = None
     if cfg.algorithm.adv_estimator == "gae":
-        if resume:
+        if resume and not critic_lora.enabled:
             critic = ValueModel.from_pretrained(str(resume / "critic"), dtype=m.dtype, **opts)
         else:
             critic = ValueModel.from_causal_lm_dir(critic_source(cfg, base_dir), dtype=m.dtype, **opts)
-    ref = frozen_reference(base_dir, dtype=m.dtype, **opts)
+        if critic_lora.enabled:
+            critic = with_adapters(critic, critic_lora, critic_source(cfg, base_dir),
+                                   resume / "critic" if resume else None)
+    # The reference is the base policy: with LoRA, the actor's own module with its adapters off.
+    ref = lora.BaseView(actor) if actor_lora.enabled else frozen_reference(base_dir, dtype=m.dtype, **opts)
     return PPOTrainer(cfg, sizes, actor, critic, ref, device)
+
+
+def with_adapters(model, spec: lora.LoraSpec, base_dir: str, saved: Optional[Path]):
+    """`model` (the base weights from `base_dir`) with `spec`'s adapters added, and those of
+    checkpoint directory `saved` (and its value head) copied in when given."""
+    from rlhf.round.lora_checkpoint import restore_adapters, start_base_digest
+
+    lora.add_adapters(getattr(model, "backbone", model), spec, base_path=str(Path(base_dir).resolve()))
+    if D.world()[0] == 0:
+        start_base_digest(base_dir)  # rank 0's checkpoints record it: hashed while the run starts
+    if saved is not None:
+        restore_adapters(model, saved, base_dir)
+    return model
 
 
 def critic_source(cfg: PPOConfig, base_dir: str) -> str:
@@ -193,8 +217,15 @@ def make_engine(cfg: PPOConfig, policy_dir: str, tokenizer, device: torch.device
 
 
 def policy_engine(cfg: PPOConfig, model_dir: str, device: torch.device):
-    """(engine, tokenizer) for the policy saved in `model_dir`, with that directory's tokenizer."""
+    """(engine, tokenizer) for the policy saved in `model_dir`, with that directory's tokenizer.
+    LoRA adapters (a LoRA checkpoint's actor/) are merged into their base first for vLLM,
+    which loads a plain model directory; the HF engines merge them as they load."""
     tokenizer = load_tokenizer(cfg, model_dir)
+    if cfg.rollout.name == "vllm" and is_adapter_dir(model_dir):
+        from rlhf.models.load import load_causal_lm, load_options, save_model_atomic
+
+        merged = load_causal_lm(model_dir, dtype=cfg.model.dtype, **load_options(cfg.model))
+        model_dir = save_model_atomic(merged, tokenizer, str(Path(tempfile.mkdtemp(prefix="merged_policy_")) / "m"))
     return make_engine(cfg, model_dir, tokenizer, device), tokenizer
 
 

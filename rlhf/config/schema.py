@@ -368,6 +368,14 @@ def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def get_dotted(tree: dict, key: str) -> Any:
+    """`tree["a"]["b"]` for key "a.b"."""
+    node: Any = tree
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
 def flatten(cfg: Any) -> dict[str, Any]:
     """`{"actor.clip_ratio": 0.2, ...}` for MLflow params."""
     out: dict[str, Any] = {}

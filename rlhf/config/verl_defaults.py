@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from rlhf.config.schema import ConfigError, PPOConfig, flatten
+from rlhf.config.schema import ConfigError, PPOConfig, flatten, get_dotted
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def resolve_defaults(tree: dict, verl_keys_used: bool, given: set[str] = frozens
             out = _with(out, key, value)
     for key, source in VERL_FOLLOWS.items():
         if not _has(out, key):
-            out = _with(out, key, _get(out, source))
+            out = _with(out, key, get_dotted(out, source))
     _warn_unused_clip_ratio(out, given)
     return out
 
@@ -156,7 +156,7 @@ def _warn_unused_clip_ratio(tree: dict, given: set[str]) -> None:
             not given & {"actor.clip_ratio_high", f"{_AR}.actor.clip_ratio_high"}:
         log.warning("actor.clip_ratio=%s is not the PPO clip under verl's defaults: clip_ratio_low and "
                     "clip_ratio_high default to 0.2 and take precedence, as in verl 0.9.1; set them to change "
-                    "the clip", _get(tree, "actor.clip_ratio"))
+                    "the clip", get_dotted(tree, "actor.clip_ratio"))
 
 
 def defaults_line(cfg: PPOConfig) -> str:
@@ -184,13 +184,6 @@ def _has(tree: dict, key: str) -> bool:
             return False
         node = node[p]
     return True
-
-
-def _get(tree: dict, key: str) -> Any:
-    node: Any = tree
-    for p in key.split("."):
-        node = node[p]
-    return node
 
 
 def _with(tree: dict, key: str, value: Any) -> dict:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlhf.config.schema import ConfigError, PPOConfig, _sections, all_keys
+from rlhf.config.schema import ConfigError, PPOConfig, _sections, all_keys, get_dotted
 
 _AR = "actor_rollout_ref"
 
@@ -271,9 +271,9 @@ def translate_keys(tree: dict) -> tuple[dict, bool]:
         if kv is None:
             continue
         target, v = kv
-        if target in origin and _get(out, target) != v:
+        if target in origin and get_dotted(out, target) != v:
             raise ConfigError(f"config keys '{origin[target]}' and '{key}' both set '{target}' "
-                              f"({_get(out, target)!r} vs {v!r}); keep one")
+                              f"({get_dotted(out, target)!r} vs {v!r}); keep one")
         origin[target] = key
         _put(out, target, v)
     return out, True
@@ -292,13 +292,6 @@ def is_verl_key(key: str, value: Any = None) -> bool:
 def _has_verl_leaf(leaves: list[tuple[str, Any]]) -> bool:
     return any(k not in _OUR_KEYS and (k in VERL_KEYS or k in REFUSED or k in FIXED or (k == _RC and v is None) or
                                        k.startswith(_SECTIONS_ONLY_IN_VERL)) for k, v in leaves)
-
-
-def _get(tree: dict, key: str) -> Any:
-    node: Any = tree
-    for p in key.split("."):
-        node = node[p]
-    return node
 
 
 def _put(tree: dict, key: str, value: Any) -> None:

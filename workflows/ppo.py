@@ -167,11 +167,14 @@ def ppo_train(cfg: PPOConfig, train: Prompts, val: Prompts, base_model: FlyteDir
 
 
 @workflow(on_failure=fail_tracking)
-def ppo_pipeline(cfg: PPOConfig = PPOConfig()) -> Pipeline:
+def ppo_pipeline(cfg: Optional[PPOConfig] = None) -> Pipeline:
     """Data, starting policy (`model.path`, or the tiny model SFT-warm-started in code), PPO
     rounds; returns the final policy directory, the per-step metrics table and the state.
-    Every config key and its meaning: docs/CONFIG.md. Check a launch first, in seconds:
-    python -m rlhf.train.check --cfg my.yaml"""
+    Check a launch first, in seconds: python -m rlhf.train.check --cfg my.yaml
+
+    :param cfg: a YAML or JSON file with the config keys to change (all of them, with their meaning and
+        default: docs/CONFIG.md); left out, the defaults: a tiny model on synthetic arithmetic, on the CPU
+    """
     checked = check_config(cfg=cfg)
     data = prepare_data(cfg=checked)
     base = prepare_policy(model=checked.model, seed=checked.trainer.seed, sft=data.sft)

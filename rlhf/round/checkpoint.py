@@ -6,10 +6,10 @@ Layout: `<output_dir>/checkpoints/round_000005/` holding `actor/` and `critic/`
 `config.yaml` and `state.json` (the `RoundState`). A checkpoint is written under a hidden
 temporary name, sealed with `manifest.json` (every file's size and digest) and renamed
 into place only when complete, so a crash mid-save never leaves a directory that reads as
-valid. A resume checks every file against the manifest: a missing manifest, a missing,
-truncated or changed file is reported and an earlier checkpoint used. Weights holding NaN
-or inf are never checkpointed (`NonFiniteStateError`). `rlhf.round.checkpoint_io` writes the
-files, in a background thread when the driver keeps training meanwhile.
+valid. Before a checkpoint is used, every file is checked against the manifest
+(`why_incomplete`; `rlhf.round.verify` runs that check beside the start-up). Weights holding
+NaN or inf are never checkpointed (`NonFiniteStateError`). `rlhf.round.checkpoint_io` writes
+the files, in a background thread when the driver keeps training meanwhile.
 
 `trainer.save_freq` picks the rounds checkpointed (`is_save_point`) and
 `trainer.max_ckpt_to_keep` how many of them stay (`prune`).
@@ -64,21 +64,24 @@ def write_manifest(path: Path, digests: dict[str, str] | None = None) -> None:
     os.replace(tmp, path / MANIFEST_FILE)
 
 
-def why_incomplete(path: Path, checksums: bool = True) -> str:
-    """"" for a complete checkpoint, else what is wrong with it. With `checksums`, every
-    file's digest is compared with the manifest's (a full read); otherwise sizes only."""
+def why_incomplete(path: Path, checksums: bool = True, part: str = "") -> str:
+    """"" for a complete checkpoint, else what is wrong with it. With `checksums`, every file's digest is
+    compared with the manifest's (a full read), else sizes only; with `part` ("actor"), that file or directory's."""
     try:
-        manifest = json.loads((path / MANIFEST_FILE).read_text())
+        manifest = json.loads((Path(path) / MANIFEST_FILE).read_text())
         files, algo = manifest["files"], manifest.get("digest")
     except FileNotFoundError:
         return f"no {MANIFEST_FILE} (the save did not finish)"
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
         return f"unreadable {MANIFEST_FILE} ({e})"
-    for name in (STATE_FILE, "actor/config.json"):
+    if not isinstance(files, dict):
+        return f"unreadable {MANIFEST_FILE} (its 'files' is not a mapping)"
+    inside = (lambda name: name == part or name.startswith(f"{part}/")) if part else (lambda name: True)
+    for name in filter(inside, (STATE_FILE, "actor/config.json")):
         if name not in files:
             return f"{name} is not listed in {MANIFEST_FILE}"
-    for name, entry in files.items():
-        reason = _why_bad_file(path / name, name, entry, algo, checksums)
+    for name, entry in filter(lambda item: inside(item[0]), files.items()):
+        reason = _why_bad_file(Path(path) / name, name, entry, algo, checksums)
         if reason:
             return reason
     return ""
@@ -105,7 +108,7 @@ def is_complete(path: Path, checksums: bool = True) -> bool:
 
 
 class CorruptCheckpointError(RuntimeError):
-    """A checkpoint given explicitly fails its manifest's check."""
+    """A checkpoint to start from fails its manifest's check (`what`: the checkpoint and the file)."""
 
 
 def verify(path: Path) -> None:
@@ -117,8 +120,10 @@ def verify(path: Path) -> None:
 
 
 def corrupt(path: Path, reason: str) -> CorruptCheckpointError:
-    return CorruptCheckpointError(f"checkpoint {path} is not valid: {reason}. Start from an earlier checkpoint of "
-                                  "the run, or without one (trainer.resume=disable)")
+    e = CorruptCheckpointError(f"checkpoint {path} is not valid: {reason}. Start from an earlier checkpoint of "
+                               "the run, or without one (trainer.resume=disable)")
+    e.what = f"{path}: {reason}"
+    return e
 
 
 def latest_checkpoint(output_dir: str | os.PathLike, checksums: bool = True) -> Path | None:
@@ -130,16 +135,19 @@ def latest_checkpoint(output_dir: str | os.PathLike, checksums: bool = True) -> 
         return None
     for p in sorted(root.glob(".tmp_*")):
         log.warning("ignoring half-written checkpoint %s (a save was interrupted before it was renamed)", p)
-    for _, path in reversed(_rounds(root)):
+    found = [p for _, p in reversed(round_checkpoints(root))]
+    for i, path in enumerate(found):
         reason = why_incomplete(path, checksums)
         if not reason:
             return path
-        log.warning("checkpoint %s is not valid: %s; using an earlier one", path, reason)
+        log.warning("checkpoint %s is not valid: %s; %s", path, reason, f"trying the next newest, {found[i + 1]}"
+                    if i + 1 < len(found) else "no earlier checkpoint is left")
     return None
 
 
-def _rounds(root: Path) -> list[tuple[int, Path]]:
-    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)))
+def round_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(round, directory) of every round checkpoint directory in `root`, oldest first (valid or not)."""
+    return sorted((int(m.group(1)), p) for p in Path(root).iterdir() if (m := _NAME.match(p.name)))
 
 
 def commit(tmp: Path, final: Path) -> None:
@@ -172,7 +180,7 @@ def prune_dir(root: Path, keep: int, save_point: Callable[[int], bool] = lambda 
     resumes (the stateless driver hands the optimizer state to the next round through it)."""
     if keep <= 0 or not Path(root).is_dir():
         return
-    found = _rounds(Path(root))
+    found = round_checkpoints(Path(root))
     points = [p for r, p in found if save_point(r)]
     kept = set(points[-keep:]) | ({found[-1][1]} if found else set())
     for _, p in found:

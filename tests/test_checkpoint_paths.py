@@ -123,6 +123,8 @@ def test_a_retried_segment_whose_intratask_checkpoint_is_changed_starts_from_its
                         tmp_path / "segment", resume=resume)
     try:
         assert run.resumed_from == str(given) and run.state == state
+        run.writer.wait()  # started from a checkpoint, the writer reserves its host buffers at once
+        assert run.writer.pool._bufs
     finally:
         run.close()
     assert f"{resume}: {WEIGHTS} does not match" in caplog.text and f"trying the next newest, {given}" in caplog.text

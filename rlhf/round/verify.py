@@ -11,8 +11,9 @@ and validation load. Each of them reaches the files through `rlhf.train.setup` (
   thread while the caller goes on (building the trainer or the rollout engine, preparing the
   data); the function returned waits for it and raises `CorruptCheckpointError` naming the file
   on every rank. `part="actor"` checks one model directory of the checkpoint (a policy).
-- `auto_candidates`: the checkpoints `trainer.resume=auto` may start from, newest first, those
-  that fail the cheap check (manifest present, every file at its size) already set aside.
+- `resume_candidates` / `auto_candidates`: the checkpoints `trainer.resume` may start from,
+  newest first, those that fail the cheap check (manifest present, every file at its size)
+  already set aside.
 - `none_valid`: the error when no checkpoint to start from is left, naming every file that
   failed and what to do; a run never starts over from round 0 in silence over checkpoints
   that exist.
@@ -27,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Optional
 
+from rlhf.config.schema import ConfigError
 from rlhf.round import checkpoint as ckpt
 from rlhf.trainer import dist as D
 
@@ -63,6 +65,24 @@ def policy_checkpoint(model_dir: str | os.PathLike) -> Optional[tuple[Path, str]
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return (model_dir.parent, model_dir.name) if f"{model_dir.name}/config.json" in files else None
+
+
+def resume_candidates(resume: str, output_dir: Path) -> tuple[list[Path], list[str]]:
+    """The checkpoints `trainer.resume` may start from, newest first, and what is wrong with
+    the ones set aside: "auto", every round checkpoint of the output directory that has its
+    manifest and its files at their sizes (`auto_candidates`); "disable",
+    none; a directory, that one (refused at once when it is no sealed checkpoint). The
+    digests are checked where a candidate is used (`setup.load_first_valid`)."""
+    if resume == "auto":
+        return auto_candidates(output_dir)
+    if resume == "disable":
+        return [], []
+    path = Path(resume)
+    reason = "it does not exist" if not path.is_dir() else ckpt.why_incomplete(path, checksums=False)
+    if reason:
+        raise ConfigError(f"trainer.resume={resume!r} is not a checkpoint to start from: {reason}; give a round "
+                          "checkpoint directory (<output_dir>/checkpoints/round_NNNNNN), auto or disable")
+    return [path], []
 
 
 def auto_candidates(output_dir: str | os.PathLike) -> tuple[list[Path], list[str]]:

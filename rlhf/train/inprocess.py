@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import pandas as pd
 import torch
 
-from rlhf.config.schema import ConfigError, PPOConfig
+from rlhf.config.schema import PPOConfig
 from rlhf.config.sizes import resolve_epochs
 from rlhf.round import checkpoint as ckpt
 from rlhf.round import offline, rules, stages, verify
@@ -101,13 +101,16 @@ class Run:
         from rlhf.data.checks import check_fit
 
         check_fit(cfg, len(self.data.train), base_dir)
+        self.start_timing: dict[str, float] = {}  # seconds: trainer build, wait for the digests, restore
         self.trainer, self.state, start = S.load_first_valid(cfg, self.sizes, base_dir, self.device, starts, advice,
-                                                             failed, verified)
+                                                             failed, verified, self.start_timing)
         resume = start.path
         self.resumed_from = str(resume) if resume else ""
         if resume:
             log.info("resumed from %s at round %d (global step %d, kl_coef %.5g)", resume, self.state.round,
                      self.state.global_step, self.state.kl_coef)
+        if resume:  # the optimizer state exists: the writer allocates its host buffers while round 1 runs
+            self._reserve()
         # The engine is built on first use (`engine`): offline training without validation never builds one.
         self._policy_dir, self._engine = (str(resume / "actor") if resume else base_dir), None
         self.offline = offline.offline_table(cfg, self.tokenizer)  # the stored rollouts, or None (online)
@@ -123,7 +126,7 @@ class Run:
     def _find_resume(self) -> tuple[list[S.Start], list[str]]:
         """`trainer.resume`'s checkpoints to try, newest first, and those already found broken
         (rank 0 looks, then tells every rank)."""
-        found = resume_candidates(self.cfg.trainer.resume, self.out) if self.rank == 0 else None
+        found = verify.resume_candidates(self.cfg.trainer.resume, self.out) if self.rank == 0 else None
         paths, failed = D.broadcast_object(([str(p) for p in found[0]], found[1]) if found else None)
         return [S.Start(Path(p)) for p in paths], failed
 
@@ -224,21 +227,25 @@ class Run:
     def checkpoint(self, save: bool, on_sealed: Callable[[Path], None] = lambda path: None) -> None:
         """The checkpoint step of a round, the same for the in-process driver and a segment:
         with `save` (a save point of the driver's policy), a checkpoint written in the
-        background (`save`); otherwise, once the first update has made the optimizer state,
-        the writer's host buffers allocated in its thread while the next rounds run, so that
-        no save copies into fresh memory pages (an optimizer step after it would wait for
-        them). Its time on the training thread goes to the sink as `timing_s/save_checkpoint`."""
+        background (`save`); otherwise, once the optimizer state exists (after the first update,
+        or at the start from a checkpoint), the writer's host buffers allocated in its thread
+        while the next rounds run, so that no save copies into fresh memory pages (an optimizer
+        step after it would wait for them). Its time on the training thread goes to the sink as
+        `timing_s/save_checkpoint`."""
         t = time.perf_counter()
         if save:
             self.save(on_sealed)
         elif not self._reserved:
-            ckpt.reserve(ckpt.checkpoint_root(self.out), self.trainer, self.tokenizer, self.cfg, self.state,
-                         self.writer)
-            self._reserved = True
+            self._reserve()
         self.timing["timing_s/save_checkpoint"] = _lap(t)
         # `timing_s/checkpoint_wait` went out with the round's step metrics.
         self.sink.log_metrics({"timing_s/save_checkpoint": self.timing["timing_s/save_checkpoint"]},
                               step=self.state.global_step)
+
+    def _reserve(self) -> None:
+        """The writer's host buffers for the saves to come, allocated in its thread (`ckpt.reserve`)."""
+        ckpt.reserve(ckpt.checkpoint_root(self.out), self.trainer, self.tokenizer, self.cfg, self.state, self.writer)
+        self._reserved = True
 
     def save(self, on_sealed: Callable[[Path], None] = lambda path: None) -> Path:
         """Start the round checkpoint (`setup.save_checkpoint`, under `<out>/checkpoints`):
@@ -283,24 +290,6 @@ class Run:
                 self._engine.close()
             if close_sink:
                 self.sink.close(status)
-
-
-def resume_candidates(resume: str, output_dir: Path) -> tuple[list[Path], list[str]]:
-    """The checkpoints `trainer.resume` may start from, newest first, and what is wrong with
-    the ones set aside: "auto", every round checkpoint of the output directory that has its
-    manifest and its files at their sizes (`rlhf.round.verify.auto_candidates`); "disable",
-    none; a directory, that one (refused at once when it is no sealed checkpoint). The
-    digests are checked where a candidate is used (`setup.load_first_valid`)."""
-    if resume == "auto":
-        return verify.auto_candidates(output_dir)
-    if resume == "disable":
-        return [], []
-    path = Path(resume)
-    reason = "it does not exist" if not path.is_dir() else ckpt.why_incomplete(path, checksums=False)
-    if reason:
-        raise ConfigError(f"trainer.resume={resume!r} is not a checkpoint to start from: {reason}; give a round "
-                          "checkpoint directory (<output_dir>/checkpoints/round_NNNNNN), auto or disable")
-    return [path], []
 
 
 def _lap(t: float) -> float:

@@ -7,11 +7,13 @@ validation and checkpoints from here, so the same config builds the same objects
   `start_process` (that, plus the process group, the seed, the size checks and rank 0's
   output directory);
 - trainer: `build_trainer` (models from a checkpoint's safetensors or the base policy) and
-  `load_trainer` (that, plus the checkpoint's optimizer state and round state);
-  `start_verify` checks a checkpoint's files while the trainer is built, before its state
-  is restored;
+  `load_trainer` (that, plus the checkpoint's optimizer state and round state, its files
+  checked against their digests while the trainer is built, `rlhf.round.verify`);
+  `load_first_valid` tries the places a run may start from in order and says which file
+  failed, or stops naming them all;
 - rollout engine: `make_engine` (on the trainer's module or a policy directory) and
-  `policy_engine` (a saved policy with its own tokenizer);
+  `policy_engine` (a saved policy with its own tokenizer; one inside a checkpoint checked
+  against the checkpoint's digests while the engine is built);
 - tracking: `run_sink` (a driver that owns its run) and `open_tracking` / `tracking_sink` /
   `keep_pending` (stages that share one MLflow run, resumed by id);
 - validation: `evaluate` and `log_evaluation`;

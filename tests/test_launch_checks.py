@@ -229,8 +229,9 @@ def _plan_rounds(stdout: str) -> int:
 
 def test_the_dry_run_counts_the_rounds_of_trainer_total_epochs_as_the_run_does(tmp_path, two_rounds, capsys):
     """`trainer.total_epochs=2` over 10 user prompts of which 3 are too long for
-    data.max_prompt_length: the run keeps 7 and does ceil(2 * 7 / 2) = 7 rounds; the dry run
-    says 7 (before: trainer.total_rounds, 100)."""
+    data.max_prompt_length: the run counts the rounds of 2 epochs of the 7 it keeps, and the
+    dry run says the same number (before: trainer.total_rounds, 100)."""
+    from rlhf.config.sizes import rounds_for_epochs
     from rlhf.data.arithmetic import make_arithmetic
     from rlhf.train import Run
     from rlhf.train.cli import main
@@ -244,9 +245,10 @@ def test_the_dry_run_counts_the_rounds_of_trainer_total_epochs_as_the_run_does(t
             "data.train_batch_size=2", "actor.ppo_mini_batch_size=2", f"trainer.output_dir={tmp_path / 'out'}"]
     assert main(["--dry-run", *args]) == 0
     planned = _plan_rounds(capsys.readouterr().out)
-    run = Run(load_config(None, args))
+    cfg = load_config(None, args)
+    run = Run(cfg)
     try:
-        assert planned == run.cfg.trainer.total_rounds == 7
+        assert planned == run.cfg.trainer.total_rounds == rounds_for_epochs(cfg, 7) != rounds_for_epochs(cfg, 10)
     finally:
         run.close()
 

@@ -5,7 +5,7 @@ schedule, per-step metrics, the summary), the state that crosses rounds and the
 early-stopping decision (`state`), validation (`evaluate`), stored rollouts
 standing in for the rollout stage (`offline`), and round checkpoints written in the
 background (`checkpoint`, `checkpoint_io`, `tensor_files`) and verified before any use
-(`verify`).
+(`checkpoint_verify`).
 
 May import: `rlhf.config`, `rlhf.data`, `rlhf.algos`, `rlhf.models`, `rlhf.rewards`,
 `rlhf.rollout`, `rlhf.trainer`, `schemas`. Never tracking or the drivers (`rlhf.train`):

@@ -7,7 +7,7 @@ Layout: `<output_dir>/checkpoints/round_000005/` holding `actor/` and `critic/`
 temporary name, sealed with `manifest.json` (every file's size and digest) and renamed
 into place only when complete, so a crash mid-save never leaves a directory that reads as
 valid. Before a checkpoint is used, every file is checked against the manifest
-(`why_incomplete`; `rlhf.round.verify` runs that check beside the start-up). Weights holding
+(`rlhf.round.checkpoint_verify`, whose names this module also gives). Weights holding
 NaN or inf are never checkpointed (`NonFiniteStateError`). `rlhf.round.checkpoint_io` writes
 the files, in a background thread when the driver keeps training meanwhile.
 
@@ -20,26 +20,17 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from rlhf.round.checkpoint_verify import (  # noqa: F401  (checking and finding checkpoints, named here too)
+    MANIFEST_FILE, STATE_FILE, CorruptCheckpointError, checkpoint_root, corrupt, is_complete, latest_checkpoint,
+    round_checkpoints, round_dir_name, verify, why_incomplete)
+
 log = logging.getLogger(__name__)
-
-_NAME = re.compile(r"^round_(\d{6})$")
-STATE_FILE = "state.json"
-MANIFEST_FILE = "manifest.json"  # written last: relative path -> size and digest of every other file
-
-
-def checkpoint_root(output_dir: str | os.PathLike) -> Path:
-    return Path(output_dir) / "checkpoints"
-
-
-def round_dir_name(round_: int) -> str:
-    return f"round_{round_:06d}"
 
 
 def tmp_dir_for(root: Path, round_: int) -> Path:
@@ -62,92 +53,6 @@ def write_manifest(path: Path, digests: dict[str, str] | None = None) -> None:
     tmp = path / f".{MANIFEST_FILE}.tmp"
     tmp.write_text(json.dumps({"digest": algo, "files": files}, indent=1, sort_keys=True))
     os.replace(tmp, path / MANIFEST_FILE)
-
-
-def why_incomplete(path: Path, checksums: bool = True, part: str = "") -> str:
-    """"" for a complete checkpoint, else what is wrong with it. With `checksums`, every file's digest is
-    compared with the manifest's (a full read), else sizes only; with `part` ("actor"), that file or directory's."""
-    try:
-        manifest = json.loads((Path(path) / MANIFEST_FILE).read_text())
-        files, algo = manifest["files"], manifest.get("digest")
-    except FileNotFoundError:
-        return f"no {MANIFEST_FILE} (the save did not finish)"
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-        return f"unreadable {MANIFEST_FILE} ({e})"
-    if not isinstance(files, dict):
-        return f"unreadable {MANIFEST_FILE} (its 'files' is not a mapping)"
-    inside = (lambda name: name == part or name.startswith(f"{part}/")) if part else (lambda name: True)
-    for name in filter(inside, (STATE_FILE, "actor/config.json")):
-        if name not in files:
-            return f"{name} is not listed in {MANIFEST_FILE}"
-    for name, entry in filter(lambda item: inside(item[0]), files.items()):
-        reason = _why_bad_file(Path(path) / name, name, entry, algo, checksums)
-        if reason:
-            return reason
-    return ""
-
-
-def _why_bad_file(f: Path, name: str, entry, algo: str | None, checksums: bool) -> str:
-    from rlhf.round.checkpoint_io import file_digest
-
-    size = entry["size"] if isinstance(entry, dict) else entry  # size-only manifests of older versions
-    if not f.is_file():
-        return f"{name} is missing"
-    if f.stat().st_size != size:
-        return f"{name} has {f.stat().st_size} bytes, {size} expected (truncated or overwritten)"
-    if checksums and isinstance(entry, dict) and algo:
-        got = file_digest(f, algo)
-        if got != entry["digest"]:
-            return (f"{name} does not match its {algo} digest in {MANIFEST_FILE} ({got} != {entry['digest']}): "
-                    "its contents changed after the checkpoint was sealed")
-    return ""
-
-
-def is_complete(path: Path, checksums: bool = True) -> bool:
-    return why_incomplete(path, checksums) == ""
-
-
-class CorruptCheckpointError(RuntimeError):
-    """A checkpoint to start from fails its manifest's check (`what`: the checkpoint and the file)."""
-
-
-def verify(path: Path) -> None:
-    """Raise `CorruptCheckpointError` naming what is wrong unless checkpoint `path` is complete
-    and every file matches its digest."""
-    reason = why_incomplete(Path(path))
-    if reason:
-        raise corrupt(path, reason)
-
-
-def corrupt(path: Path, reason: str) -> CorruptCheckpointError:
-    e = CorruptCheckpointError(f"checkpoint {path} is not valid: {reason}. Start from an earlier checkpoint of "
-                               "the run, or without one (trainer.resume=disable)")
-    e.what = f"{path}: {reason}"
-    return e
-
-
-def latest_checkpoint(output_dir: str | os.PathLike, checksums: bool = True) -> Path | None:
-    """The newest complete round checkpoint whose files match their digests; incomplete or
-    changed ones and left-over temporary directories of an interrupted save are skipped,
-    each with a warning naming it."""
-    root = checkpoint_root(output_dir)
-    if not root.is_dir():
-        return None
-    for p in sorted(root.glob(".tmp_*")):
-        log.warning("ignoring half-written checkpoint %s (a save was interrupted before it was renamed)", p)
-    found = [p for _, p in reversed(round_checkpoints(root))]
-    for i, path in enumerate(found):
-        reason = why_incomplete(path, checksums)
-        if not reason:
-            return path
-        log.warning("checkpoint %s is not valid: %s; %s", path, reason, f"trying the next newest, {found[i + 1]}"
-                    if i + 1 < len(found) else "no earlier checkpoint is left")
-    return None
-
-
-def round_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """(round, directory) of every round checkpoint directory in `root`, oldest first (valid or not)."""
-    return sorted((int(m.group(1)), p) for p in Path(root).iterdir() if (m := _NAME.match(p.name)))
 
 
 def commit(tmp: Path, final: Path) -> None:

@@ -21,7 +21,7 @@ import sys
 
 from rlhf.config.schema import PPOConfig
 from rlhf.train.cli import main
-from rlhf.round.verify import resume_candidates
+from rlhf.round.checkpoint_verify import resume_candidates
 from rlhf.train.inprocess import Run, run_rounds, train
 
 __all__ = ["Run", "main", "resume_candidates", "run_rounds", "train"]

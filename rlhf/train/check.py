@@ -96,7 +96,7 @@ def _local_bytes(path: str, base_dir: str) -> int:
     return sum(int(fs.size(f) or 0) for f in files)
 
 
-def _check_models(cfg: PPOConfig, plan: Plan, problems: list[str]) -> None:
+def _check_models(cfg: PPOConfig, plan: Plan, problems: list[Exception]) -> None:
     from rlhf.models.load import check_model_source
 
     m = cfg.model
@@ -110,13 +110,22 @@ def _check_models(cfg: PPOConfig, plan: Plan, problems: list[str]) -> None:
                           f"{m.tiny.hidden_size}), SFT warm-start {'on' if m.sft.enable else 'off'}")
 
 
-def _attempt(problems: list[str], fn, *args, **kwargs):
-    """`fn(*args, **kwargs)`, or None with its message added to `problems` when it finds a mistake."""
+def _attempt(problems: list[Exception], fn, *args, **kwargs):
+    """`fn(*args, **kwargs)`, or None with its error added to `problems` when it finds a mistake."""
     try:
         return fn(*args, **kwargs)
     except (ValueError, OSError) as e:  # ConfigError, DataValidationError, ModelLoadError, missing files
-        problems.append(str(e))
+        problems.append(e)
         return None
+
+
+def _failed(problems: list[Exception]) -> Exception:
+    """The error of a check that found `problems`: a config mistake alone as its `ConfigError`,
+    anything else as `CheckFailed` naming every one."""
+    if len(problems) == 1 and isinstance(problems[0], (ConfigError, CheckFailed)):
+        return problems[0]
+    messages = [str(e) for e in problems]
+    return CheckFailed(_report(messages), messages)
 
 
 def preflight(cfg: PPOConfig) -> Plan:
@@ -131,9 +140,9 @@ def preflight(cfg: PPOConfig) -> Plan:
     _check_models(cfg, plan, problems)
     _attempt(problems, check_position_limit, cfg)
     n_train = _attempt(problems, _check_data, cfg, plan)
-    rounds = _attempt(problems, _rounds, cfg) if n_train is not None and not problems else None
+    rounds = _attempt(problems, _rounds, cfg, n_train) if n_train is not None and not problems else None
     if problems:
-        raise CheckFailed(_report(problems), problems)
+        raise _failed(problems)
     plan.lines.append(f"rounds: {rounds} x {t.steps_per_round} steps of {sizes.prompts_per_step} prompts "
                       f"x {cfg.rollout.n} responses, on {world} rank(s), validation every {t.test_freq} round(s)")
     plan.lines.append(f"outputs: {t.output_dir}; trackers: {', '.join(t.logger)}")
@@ -142,25 +151,24 @@ def preflight(cfg: PPOConfig) -> Plan:
     return plan
 
 
-def _rounds(cfg: PPOConfig) -> str:
+def _rounds(cfg: PPOConfig, n_read: int) -> str:
     """The rounds the run will do: `trainer.total_rounds`, or with `trainer.total_epochs` the
-    rounds `resolve_epochs` makes of the train rows the run keeps (read, and fitted to the
-    policy's tokenizer as `rlhf.round.stages.fit_data` does), told with how they were counted."""
-    if cfg.trainer.total_epochs <= 0:
+    rounds `resolve_epochs` makes of the train rows the run keeps (the rows read, `n_read`, fitted
+    to the policy's tokenizer as `rlhf.round.stages.fit_data` does), told with how they were
+    counted; when the check did not read the rows (remote or large files), the run counts them."""
+    epochs = cfg.trainer.total_epochs
+    if epochs <= 0:
         return str(cfg.trainer.total_rounds)
+    if n_read < 0:
+        return f"{epochs} epoch(s) of the train rows (counted by the run once it has read them)"
     from rlhf.round import stages
 
-    d = cfg.data
-    if d.train_files and not _is_local(d.train_files):
-        return (f"{cfg.trainer.total_epochs} epoch(s) of {d.train_files} (rows counted by the run; "
-                "trainer.total_epochs sets the rounds)")
     train = stages.prepare_data(cfg).train
-    n = len(train)
-    if d.filter_overlong_prompts:
+    if cfg.data.filter_overlong_prompts:
         train = stages.fit_prompts(train, _tokenizer(cfg), cfg, "train")
     rounds = resolve_epochs(cfg, len(train)).trainer.total_rounds
-    kept = f"{len(train)} of {n}" if len(train) != n else f"{n}"
-    return f"{rounds} ({cfg.trainer.total_epochs} epoch(s) of {kept} train prompts)"
+    kept = f"{len(train)} of {n_read}" if len(train) != n_read else f"{n_read}"
+    return f"{rounds} ({epochs} epoch(s) of {kept} train prompts)"
 
 
 def _tokenizer(cfg: PPOConfig):
@@ -185,8 +193,9 @@ def check_launch(path: str | None, overrides: list[str]) -> tuple[PPOConfig, Pla
         raise CheckFailed(_report(mistakes), mistakes)
     try:
         plan = preflight(cfg)
-    except CheckFailed as e:
-        raise CheckFailed(_report(mistakes + e.problems), mistakes + e.problems) from None
+    except (ConfigError, CheckFailed) as e:
+        found = mistakes + getattr(e, "problems", [str(e)])
+        raise CheckFailed(_report(found), found) from None
     if mistakes:
         raise CheckFailed(_report(mistakes), mistakes)
     return cfg, plan

@@ -21,7 +21,8 @@ import torch
 from rlhf.config.schema import PPOConfig
 from rlhf.config.sizes import resolve_epochs
 from rlhf.round import checkpoint as ckpt
-from rlhf.round import offline, rules, stages, verify
+from rlhf.round import checkpoint_verify as verify
+from rlhf.round import offline, rules, stages
 from rlhf.round.policy import prepare_policy
 from rlhf.round.state import RoundState, Verdict, decide
 import rlhf.train.setup as S

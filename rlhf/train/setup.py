@@ -8,7 +8,7 @@ validation and checkpoints from here, so the same config builds the same objects
   output directory);
 - trainer: `build_trainer` (models from a checkpoint's safetensors or the base policy) and
   `load_trainer` (that, plus the checkpoint's optimizer state and round state, its files
-  checked against their digests while the trainer is built, `rlhf.round.verify`);
+  checked against their digests while the trainer is built, `rlhf.round.checkpoint_verify`);
   `load_first_valid` tries the places a run may start from in order and says which file
   failed, or stops naming them all;
 - rollout engine: `make_engine` (on the trainer's module or a policy directory) and
@@ -55,7 +55,7 @@ from rlhf.round import checkpoint as ckpt
 from rlhf.round import evaluate as validation
 from rlhf.round import stages
 from rlhf.round.state import RoundState, record_val
-from rlhf.round.verify import next_hint, none_valid, policy_checkpoint, start_verify  # noqa: F401
+from rlhf.round.checkpoint_verify import next_hint, none_valid, policy_checkpoint, start_verify  # noqa: F401
 from rlhf.trainer import dist as D
 
 log = logging.getLogger("rlhf.round.checkpoint")

@@ -29,7 +29,8 @@ import pandas as pd
 import torch
 
 from rlhf.round import checkpoint as ckpt
-from rlhf.round import stages, verify
+from rlhf.round import checkpoint_verify as verify
+from rlhf.round import stages
 from rlhf.round.policy import prepare_policy
 from rlhf.config.schema import DataConfig, ModelConfig, PPOConfig, TrainerConfig
 from rlhf.round.state import RoundState

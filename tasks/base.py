@@ -26,7 +26,7 @@ from rlhf.config.schema import ConfigError
 from schemas.prompts import PromptSchema, RolloutSchema, ScoredRolloutSchema
 
 # Before any task's interface is built: each config key's meaning (its comment, as in
-# docs/CONFIG.md) goes into the input schema that `pyflyte run ... --help` prints.
+# docs/CONFIG.md) goes into the config input's schema, which the Flyte console shows.
 describe_fields()
 
 Prompts = DataFrame[PromptSchema]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from datetime import datetime
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import pandas as pd
 from flytekit import Deck, task
@@ -15,7 +15,7 @@ from flytekit.types.error import FlyteError
 from containers.images import CPU_IMAGE
 from rlhf.train import stateless as P
 from rlhf.train import setup as S
-from rlhf.config.load import replace
+from rlhf.config.load import load_config, replace
 from rlhf.config.schema import ConfigError, PPOConfig
 from rlhf.config.sizes import derive_sizes
 from rlhf.tracking.plots import training_html
@@ -26,18 +26,29 @@ from tasks.base import (CPU_SMALL, DECK, DECK_FIELDS, TRACKING_SECRETS, TRANSIEN
 log = logging.getLogger(__name__)
 
 
+LaunchConfig = Optional[Union[PPOConfig, str]]  # a launch's config: given, the defaults (None), or a file's path
+
+
+def launch_config(cfg: LaunchConfig) -> PPOConfig:
+    """The config of a launch: the one given, the defaults for none, or the one in the file a path
+    names (what `pyflyte run ... --cfg FILE` passes on when it cannot decode the file itself)."""
+    if cfg is None:
+        return PPOConfig()
+    return load_config(cfg) if isinstance(cfg, str) else cfg
+
+
 @task(requests=CPU_SMALL, container_image=CPU_IMAGE)
-def check_config(cfg: Optional[PPOConfig] = None) -> PPOConfig:
-    """The config (the defaults when none is given), checked before any work starts: value
-    ranges and choices, batch sizes that divide (`derive_sizes`), local data files, model
-    directories and the position limit (`rlhf.train.check.preflight`); the error
-    (`LaunchError`) names every key, file or row found wrong and what to change."""
+def check_config(cfg: LaunchConfig = None) -> PPOConfig:
+    """The config (`launch_config`), checked before any work starts: value ranges and choices,
+    batch sizes that divide (`derive_sizes`), local data files, model directories and the
+    position limit (`rlhf.train.check.preflight`); the error (`LaunchError`, one line under
+    `pyflyte run`) names every key, file or row found wrong and what to change."""
     from rlhf.train.check import CheckFailed, preflight
     from rlhf.tracking.progress import quiet_progress_bars
 
     quiet_progress_bars()  # in a local execution, for the whole launch: no bars between the round lines
     try:
-        checked = replace(cfg or PPOConfig(), [])
+        checked = replace(launch_config(cfg), [])
         derive_sizes(checked)
         plan = preflight(checked)
     except (ConfigError, CheckFailed) as e:
@@ -70,9 +81,13 @@ def launch() -> str:
 
 
 @task(requests=CPU_SMALL, container_image=CPU_IMAGE, retries=2, secret_requests=TRACKING_SECRETS)
-def fail_tracking(cfg: Optional[PPOConfig] = None, err: Optional[FlyteError] = None) -> None:
+def fail_tracking(cfg: LaunchConfig = None, err: Optional[FlyteError] = None) -> None:
     """The failure handler of a launch: its MLflow run, if one was opened, ends as FAILED."""
-    _fail_runs(cfg or PPOConfig(), err)
+    try:
+        cfg = launch_config(cfg)
+    except ConfigError:  # the launch failed on its config: no run was opened
+        return
+    _fail_runs(cfg, err)
 
 
 @task(requests=CPU_SMALL, container_image=CPU_IMAGE, retries=2, secret_requests=TRACKING_SECRETS)

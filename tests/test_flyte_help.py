@@ -58,14 +58,17 @@ def test_pyflyte_help_is_short_and_points_to_the_reference(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_bad_value_in_cfg_is_reported_in_one_line(monkeypatch, tmp_path):
-    """A value the config refuses stops the launch in its first task with the message alone, no
-    traceback (before: a 50-line traceback of the task above it)."""
+@pytest.mark.parametrize("value,message", [("2", "actor.clip_ratio must be in (0, 1), got 2.0"),
+                                           ("abc", "config key 'actor.clip_ratio' expects float, got 'abc'")])
+def test_a_bad_value_in_cfg_is_reported_in_one_line(monkeypatch, tmp_path, value, message):
+    """A value the config refuses (or one pyflyte cannot even decode into it, so that it passes
+    the file's path on) stops the launch in its first task with the message alone, no traceback
+    (before: a 50-line traceback of the task above it)."""
     bad = tmp_path / "bad.yaml"
-    bad.write_text(f"actor:\n  clip_ratio: 2\ntrainer:\n  output_dir: {tmp_path / 'out'}\n")
+    bad.write_text(f"actor:\n  clip_ratio: {value}\ntrainer:\n  output_dir: {tmp_path / 'out'}\n")
     result = _pyflyte(monkeypatch, "--cfg", str(bad))
     assert result.exit_code == 1
-    assert "actor.clip_ratio must be in (0, 1), got 2.0" in result.output, result.output
+    assert message in result.output, result.output
     assert "Traceback" not in result.output and "check_config" not in result.output, result.output
     assert len([line for line in result.output.splitlines() if line.strip()]) <= 5, result.output
     assert not (tmp_path / "out").exists()

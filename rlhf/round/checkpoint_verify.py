@@ -222,8 +222,10 @@ def none_valid(failed: list[str], advice: str) -> CorruptCheckpointError:
         f"no checkpoint to start from is valid ({len(failed)} checked): {listed}. {advice}")
 
 
-def resume_advice(output_dir: str | os.PathLike) -> str:
-    """What to do when every checkpoint of an in-process run's output directory failed."""
+def resume_advice(resume: str, output_dir: str | os.PathLike) -> str:
+    """What to do when the checkpoints `trainer.resume` names for an in-process run all failed."""
+    if resume != "auto":
+        return "Start from an earlier checkpoint of the run, or without one (trainer.resume=disable)"
     return (f"Nothing was trained or overwritten. Restore those files from a copy, or start over from the base "
             f"policy in a new trainer.output_dir (trainer.resume=disable would start at round 0 in {output_dir} "
             "and replace these checkpoints as it saves)")

@@ -41,7 +41,7 @@ class Run:
     def __init__(self, cfg: PPOConfig):
         self._setup_process(cfg, Path(cfg.trainer.output_dir))
         starts, failed = self._find_resume()
-        # The first checkpoint's digests are checked while the data and the policy are prepared.
+        # The newest checkpoint's digests are checked while the data and the policy are prepared.
         first = starts[0].path if starts else None
         verified = verify.start_verify(first, self.rank) if first is not None else None
         data = stages.prepare_data(cfg)
@@ -49,12 +49,8 @@ class Run:
             base_dir = prepare_policy(cfg, self.out, data)
         D.barrier()
         base_dir = D.broadcast_object(base_dir if self.rank == 0 else None)
-        advice = (verify.resume_advice(self.out) if cfg.trainer.resume == "auto"
-                  else "Start from an earlier checkpoint of the run, or without one (trainer.resume=disable)")
-        if failed and not starts:  # every checkpoint there failed even the size check
-            raise verify.none_valid(failed, advice)
-        self._build(base_dir, data, starts or [S.Start(None)], fit=True, advice=advice, failed=failed,
-                    verified=verified)
+        advice = verify.resume_advice(cfg.trainer.resume, self.out)
+        self._build(base_dir, data, starts, fit=True, advice=advice, failed=failed, verified=verified)
         self.sink = S.run_sink(self.cfg, self.rank)
 
     @classmethod
@@ -110,8 +106,7 @@ class Run:
         if resume:
             log.info("resumed from %s at round %d (global step %d, kl_coef %.5g)", resume, self.state.round,
                      self.state.global_step, self.state.kl_coef)
-        if resume:  # the optimizer state exists: the writer allocates its host buffers while round 1 runs
-            self._reserve()
+            self._reserve()  # the optimizer state exists: the writer allocates its buffers while round 1 runs
         # The engine is built on first use (`engine`): offline training without validation never builds one.
         self._policy_dir, self._engine = (str(resume / "actor") if resume else base_dir), None
         self.offline = offline.offline_table(cfg, self.tokenizer)  # the stored rollouts, or None (online)
@@ -125,11 +120,13 @@ class Run:
         self.last_steps: list[dict[str, float]] = []
 
     def _find_resume(self) -> tuple[list[S.Start], list[str]]:
-        """`trainer.resume`'s checkpoints to try, newest first, and those already found broken
-        (rank 0 looks, then tells every rank)."""
+        """Where the run may start, in order, and the checkpoints already found broken (rank 0
+        looks, then tells every rank): `trainer.resume`'s checkpoints, newest first; the base
+        policy only when there is no checkpoint at all (none left after the broken ones stops
+        the run: `setup.load_first_valid`)."""
         found = verify.resume_candidates(self.cfg.trainer.resume, self.out) if self.rank == 0 else None
         paths, failed = D.broadcast_object(([str(p) for p in found[0]], found[1]) if found else None)
-        return [S.Start(Path(p)) for p in paths], failed
+        return [S.Start(Path(p)) for p in paths] or ([] if failed else [S.Start(None)]), failed
 
     @property
     def engine(self):

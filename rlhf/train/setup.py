@@ -169,7 +169,8 @@ def load_trainer(cfg: PPOConfig, sizes: Sizes, base_dir: str, device: torch.devi
         try:
             verified()
         except ckpt.CorruptCheckpointError:
-            _release(trainer)
+            del trainer  # before the next start is built: its device memory goes first
+            _free_memory()
             raise
     timing["timing_s/verify_checkpoint"] = time.perf_counter() - t
     t = time.perf_counter()
@@ -203,11 +204,10 @@ def load_first_valid(cfg: PPOConfig, sizes: Sizes, base_dir: str, device: torch.
     raise none_valid(failed, advice)
 
 
-def _release(trainer) -> None:
-    """Drop a trainer built from a checkpoint that failed its check (its device memory too)."""
+def _free_memory() -> None:
+    """Collect what a dropped trainer held (its engines hold reference cycles), device memory too."""
     import gc
 
-    del trainer
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()

@@ -127,16 +127,13 @@ def latest_checkpoint(output_dir: str | os.PathLike, checksums: bool = True) -> 
         reason = why_incomplete(path, checksums)
         if not reason:
             return path
-        log.warning("checkpoint %s is not valid: %s; %s", path, reason, f"trying the next newest, {found[i + 1]}"
-                    if i + 1 < len(found) else "no earlier checkpoint is left")
+        log.warning("checkpoint %s is not valid: %s; %s", path, reason, next_hint(found[i + 1:]))
     return None
 
 
 def round_checkpoints(root: Path) -> list[tuple[int, Path]]:
     """(round, directory) of every round checkpoint directory in `root`, oldest first (valid or not)."""
     return sorted((int(m.group(1)), p) for p in Path(root).iterdir() if (m := _NAME.match(p.name)))
-
-
 
 
 def start_verify(path: Path, rank: int, part: str = "") -> Callable[[], None]:
@@ -174,9 +171,9 @@ def policy_checkpoint(model_dir: str | os.PathLike) -> Optional[tuple[Path, str]
 def resume_candidates(resume: str, output_dir: Path) -> tuple[list[Path], list[str]]:
     """The checkpoints `trainer.resume` may start from, newest first, and what is wrong with
     the ones set aside: "auto", every round checkpoint of the output directory that has its
-    manifest and its files at their sizes (`auto_candidates`); "disable",
-    none; a directory, that one (refused at once when it is no sealed checkpoint). The
-    digests are checked where a candidate is used (`setup.load_first_valid`)."""
+    manifest and its files at their sizes (`auto_candidates`); "disable", none; a directory,
+    that one (refused at once when it is no sealed checkpoint). The digests are checked where
+    a candidate is used (`rlhf.train.setup.load_first_valid`)."""
     if resume == "auto":
         return auto_candidates(output_dir)
     if resume == "disable":

@@ -238,7 +238,9 @@ def run_colocated(cfg, rounds: int, device: torch.device) -> dict:
     `rounds` rounds from the base policy (tables prepared and fitted first, as the data
     tasks do), its checkpoints every `save_freq` rounds written, sealed and handed to the
     upload callback in the writer's thread, and the segment's closing checkpoint waited for
-    (the task returns it)."""
+    (the task returns it). A round's checkpoint stall is, as for the in-process driver, the
+    training thread's time in its checkpoint step plus the time its optimizer steps waited
+    for the writer's copy."""
     import dataclasses
 
     from rlhf.round import stages
@@ -256,10 +258,12 @@ def run_colocated(cfg, rounds: int, device: torch.device) -> dict:
     uploads: list[tuple[str, float]] = []
     rec = Rounds(device)
 
-    def on_round(run) -> None:
+    def on_round(run) -> None:  # after the round's checkpoint step (a save, or the host buffers reserved)
         parts = {k: v for k, v in run.timing.items() if k.startswith("timing_s/")}
-        rec.add(parts, checkpoint_stall_s=parts.get("timing_s/checkpoint_wait", 0.0),
-                writer_busy_after_round=run.writer.busy)
+        deleted = sum(DELETED)
+        stall = parts.get("timing_s/save_checkpoint", 0.0) + parts.get("timing_s/checkpoint_wait", 0.0) - deleted
+        rec.add(parts, checkpoint_stall_s=stall, benchmark_delete_s=deleted, writer_busy_after_round=run.writer.busy)
+        DELETED.clear()
         rec.start()
 
     prep = time.perf_counter() - t

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+import click
 import flytekitplugins.pandera  # noqa: F401  (registers the pandera DataFrame type)
 import torch.distributed as dist
 from flytekit import FlyteContextManager, Resources, Secret, current_context
@@ -21,10 +22,11 @@ from flytekit.types.directory import FlyteDirectory
 from pandera.typing import DataFrame
 
 from rlhf.config.doc import describe_fields
+from rlhf.config.schema import ConfigError
 from schemas.prompts import PromptSchema, RolloutSchema, ScoredRolloutSchema
 
 # Before any task's interface is built: each config key's meaning (its comment, as in
-# docs/CONFIG.md) goes into the input schema that `pyflyte run ... --help` prints.
+# docs/CONFIG.md) goes into the config input's schema, which the Flyte console shows.
 describe_fields()
 
 Prompts = DataFrame[PromptSchema]
@@ -67,6 +69,18 @@ def local_copy(directory: FlyteDirectory) -> str:
     one copy (the first to take the lock downloads it into a folder named after the source,
     the others wait and find it complete). A source that is already a local directory (local
     execution) is read where it is."""
+    return _local(directory, policy=False)
+
+
+def local_policy(policy: FlyteDirectory) -> str:
+    """`local_copy` of a policy directory. When it is a round checkpoint's `actor/` on a store,
+    the checkpoint's `manifest.json` is fetched beside the copy (`<copy>/../manifest.json`), so
+    that the engine checks the policy's files against their digests before it generates
+    (`rlhf.train.setup.policy_engine`); a local one is read where it is, beside its manifest."""
+    return _local(policy, policy=True)
+
+
+def _local(directory: FlyteDirectory, policy: bool) -> str:
     import fcntl
     import hashlib
     import shutil
@@ -77,6 +91,7 @@ def local_copy(directory: FlyteDirectory) -> str:
     if not ctx.file_access.is_remote(src) and os.path.isdir(src):
         return src
     dest = Path(tempfile.gettempdir()) / "flyte-rlhf-inputs" / hashlib.sha256(src.encode()).hexdigest()[:16]
+    name = src.rstrip("/").rsplit("/", 1)[-1] if policy else ""
     dest.parent.mkdir(parents=True, exist_ok=True)
     with open(f"{dest}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
@@ -84,11 +99,36 @@ def local_copy(directory: FlyteDirectory) -> str:
         if not done.is_file():
             tmp = Path(f"{dest}.partial")
             shutil.rmtree(tmp, ignore_errors=True)
-            ctx.file_access.get_data(src, str(tmp), is_multipart=True)
+            ctx.file_access.get_data(src, str(tmp / name), is_multipart=True)
+            if policy:
+                _fetch_manifest(ctx, src, tmp)
             shutil.rmtree(dest, ignore_errors=True)
             os.replace(tmp, dest)
             done.write_text(src)
-    return str(dest)
+    return str(dest / name)
+
+
+def _fetch_manifest(ctx, src: str, into: Path) -> None:
+    """The manifest of the checkpoint a policy URI lies in, into `into`; none when the policy is
+    not inside a checkpoint (a base model)."""
+    from rlhf.round.checkpoint import MANIFEST_FILE
+
+    parent = src.rstrip("/").rsplit("/", 1)[0]
+    try:
+        ctx.file_access.get_data(f"{parent}/{MANIFEST_FILE}", str(into / MANIFEST_FILE))
+    except TRANSIENT:
+        raise
+    except Exception:  # flytekit wraps a missing source in its own download error
+        pass
+
+
+class LaunchError(ConfigError, click.ClickException):
+    """A launch that cannot run, found by a task (a config value, a checkpoint to start from):
+    `pyflyte run` prints its message alone, one line without a traceback (click shows a
+    `ClickException` so); anywhere else it is the `ConfigError` it is."""
+
+    def __init__(self, message: str):
+        click.ClickException.__init__(self, message)
 
 
 def rank() -> int:

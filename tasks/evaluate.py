@@ -16,7 +16,7 @@ from rlhf.tracking.plots import metrics_html, training_html
 from rlhf.round.state import RoundState, decide as decide_stop
 from rlhf.tracking.trial import TrialContext, check_pruning
 from tasks.base import (CPU_SMALL, DECK, DECK_FIELDS, GPU, GPU_RETRIES, TRACKING_SECRETS, Prompts, gpu_resources,
-                        launch_seconds, local_copy, retry_transient)
+                        launch_seconds, local_policy, retry_transient)
 
 Evaluated = NamedTuple("Evaluated", [("state", RoundState), ("score", float)])
 Decided = NamedTuple("Decided", [("state", RoundState), ("stop", bool), ("reason", str)])
@@ -33,7 +33,7 @@ def evaluate(cfg: PPOConfig, policy: FlyteDirectory, val: Prompts, state: RoundS
         return Evaluated(state=state, score=state.last_val)
     sink = S.tracking_sink(cfg, run_id, state)
     with retry_transient():
-        new, metrics = P.evaluate_policy(cfg, local_copy(policy), val, state, sink)
+        new, metrics = P.evaluate_policy(cfg, local_policy(policy), val, state, sink)
     new = S.keep_pending(sink, new)
     Deck("validation", metrics_html(metrics, f"step {new.global_step}: val score {new.last_val:.4f} "
                                              f"(best {new.best_val:.4f}, start {new.val_start:.4f})"))
@@ -45,7 +45,7 @@ def evaluate(cfg: PPOConfig, policy: FlyteDirectory, val: Prompts, state: RoundS
 def policy_score(cfg: PPOConfig, policy: FlyteDirectory, val: Prompts) -> float:
     """The val score of `policy` alone (no run state): for comparing two models on one val set."""
     with retry_transient():
-        _, metrics = P.evaluate_policy(cfg, local_copy(policy), val, RoundState.initial(cfg))
+        _, metrics = P.evaluate_policy(cfg, local_policy(policy), val, RoundState.initial(cfg))
     return stages.val_score(metrics)
 
 

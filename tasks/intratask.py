@@ -36,9 +36,9 @@ def _join(*parts: str) -> str:
 
 
 def restore() -> Optional[Path]:
-    """The newest complete round checkpoint a previous attempt of this task left, downloaded
+    """The newest sealed round checkpoint a previous attempt of this task left, downloaded
     once per pod (every rank calls this; the first one downloads); None on a first attempt,
-    or when what is there is not a valid checkpoint."""
+    or when what is there is not a sealed checkpoint with every file at its size."""
     import fcntl
     import hashlib
     import tempfile
@@ -74,9 +74,11 @@ def _download(cp, src: str, into: Path) -> Optional[Path]:
         rounds = [local]
     if not rounds:
         return None
-    reason = ckpt.why_incomplete(rounds[-1])
+    # Sealed, every file at its size; the digests are checked by the segment while it starts
+    # (`rlhf.train.setup.load_first_valid`), which falls back to the segment's input on a mismatch.
+    reason = ckpt.why_incomplete(rounds[-1], checksums=False)
     if reason:
-        log.warning("intratask checkpoint %s is not valid (%s); the segment starts over", uri, reason)
+        log.warning("intratask checkpoint %s is not valid (%s); the segment starts from its input", uri, reason)
         return None
     _write_pointer(uri)
     return rounds[-1]

@@ -9,7 +9,7 @@ from containers.images import CPU_IMAGE, GPU_IMAGE
 from rlhf.train import stateless as P
 from rlhf.config.schema import PPOConfig
 from rlhf.round.state import RoundState
-from tasks.base import (CPU_MEDIUM, GPU, GPU_RETRIES, Prompts, Rollouts, Scored, gpu_resources, local_copy,
+from tasks.base import (CPU_MEDIUM, GPU, GPU_RETRIES, Prompts, Rollouts, Scored, gpu_resources, local_policy,
                         retry_transient)
 
 
@@ -19,7 +19,7 @@ def rollout(cfg: PPOConfig, policy: FlyteDirectory, prompts: Prompts, state: Rou
     """`rollout.n` responses per prompt from `policy`, sampled with the round's seed by the
     `rollout.name` engine (vLLM: tensor parallel over `rollout.tensor_model_parallel_size` GPUs)."""
     with retry_transient():
-        rollouts, _ = P.rollout_policy(cfg, policy.download(), prompts, state)
+        rollouts, _ = P.rollout_policy(cfg, local_policy(policy), prompts, state)
     return rollouts
 
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import pandas as pd
 from flytekit import Deck, task
@@ -14,25 +15,45 @@ from flytekit.types.error import FlyteError
 from containers.images import CPU_IMAGE
 from rlhf.train import stateless as P
 from rlhf.train import setup as S
-from rlhf.config.load import replace
-from rlhf.config.schema import PPOConfig
+from rlhf.config.load import load_config, replace
+from rlhf.config.schema import ConfigError, PPOConfig
 from rlhf.config.sizes import derive_sizes
 from rlhf.tracking.plots import training_html
 from rlhf.round.state import RoundState
-from tasks.base import CPU_SMALL, DECK, DECK_FIELDS, TRACKING_SECRETS, launch_seconds, retry_transient
+from tasks.base import (CPU_SMALL, DECK, DECK_FIELDS, TRACKING_SECRETS, TRANSIENT, LaunchError, launch_seconds,
+                        retry_transient)
+
+log = logging.getLogger(__name__)
+
+
+LaunchConfig = Optional[Union[PPOConfig, str]]  # a launch's config: given, the defaults (None), or a file's path
+
+
+def launch_config(cfg: LaunchConfig) -> PPOConfig:
+    """The config of a launch: the one given, the defaults for none, or the one in the file a path
+    names (what `pyflyte run ... --cfg FILE` passes on when it cannot decode the file itself)."""
+    if cfg is None:
+        return PPOConfig()
+    return load_config(cfg) if isinstance(cfg, str) else cfg
+
 
 @task(requests=CPU_SMALL, container_image=CPU_IMAGE)
-def check_config(cfg: PPOConfig) -> PPOConfig:
-    """The config, checked before any work starts: value ranges and choices, batch sizes
-    that divide (`derive_sizes`), local data files, model directories and the position limit
-    (`rlhf.train.check.preflight`); the error names the key, file or row and what to change."""
-    from rlhf.train.check import preflight
+def check_config(cfg: LaunchConfig = None) -> PPOConfig:
+    """The config (`launch_config`), checked before any work starts: value ranges and choices,
+    batch sizes that divide (`derive_sizes`), local data files, model directories and the
+    position limit (`rlhf.train.check.preflight`); the error (`LaunchError`, one line under
+    `pyflyte run`) names every key, file or row found wrong and what to change."""
+    from rlhf.train.check import CheckFailed, preflight
     from rlhf.tracking.progress import quiet_progress_bars
 
     quiet_progress_bars()  # in a local execution, for the whole launch: no bars between the round lines
-    checked = replace(cfg, [])
-    derive_sizes(checked)
-    for warning in preflight(checked).warnings:
+    try:
+        checked = replace(launch_config(cfg), [])
+        derive_sizes(checked)
+        plan = preflight(checked)
+    except (ConfigError, CheckFailed) as e:
+        raise LaunchError(str(e)) from None
+    for warning in plan.warnings:
         print(f"warning: {warning}", flush=True)
     return checked
 
@@ -60,8 +81,12 @@ def launch() -> str:
 
 
 @task(requests=CPU_SMALL, container_image=CPU_IMAGE, retries=2, secret_requests=TRACKING_SECRETS)
-def fail_tracking(cfg: PPOConfig, err: Optional[FlyteError] = None) -> None:
+def fail_tracking(cfg: LaunchConfig = None, err: Optional[FlyteError] = None) -> None:
     """The failure handler of a launch: its MLflow run, if one was opened, ends as FAILED."""
+    try:
+        cfg = launch_config(cfg)
+    except ConfigError:  # the launch failed on its config: no run was opened
+        return
     _fail_runs(cfg, err)
 
 
@@ -88,20 +113,38 @@ def _fail_runs(cfg: PPOConfig, err: Optional[FlyteError]) -> None:
 def resume_point(cfg: PPOConfig) -> Optional[tuple[str, RoundState]]:
     """Where a new execution starts when `trainer.resume` names a checkpoint (a local path or
     a URI): that checkpoint and the round state saved in it, read here so that the workflow
-    can lay out the rounds left. None for "auto" and "disable" (a new execution starts from
-    the base policy; retries of a segment resume from its intratask checkpoint either way)."""
+    can lay out the rounds left (`state.json` checked against the checkpoint's manifest first;
+    the other files are checked by the first task that uses them, before it does). None for
+    "auto" and "disable" (a new execution starts from the base policy; retries of a segment
+    resume from its intratask checkpoint either way)."""
     where = cfg.trainer.resume
     if where in ("auto", "disable"):
         return None
     from flytekit import FlyteContextManager
 
-    from rlhf.round.checkpoint import STATE_FILE
+    from rlhf.round import checkpoint as ckpt
 
     fa = FlyteContextManager.current_context().file_access
-    local = Path(fa.get_random_local_directory()) / STATE_FILE
+    local = Path(fa.get_random_local_directory())
     with retry_transient():
-        fa.get_data(f"{where.rstrip('/')}/{STATE_FILE}", str(local))
-    return where, RoundState.from_json(local.read_text())
+        for name in (ckpt.MANIFEST_FILE, ckpt.STATE_FILE):
+            _fetch(fa, f"{where.rstrip('/')}/{name}", local / name)
+    reason = ckpt.why_incomplete(local, part=ckpt.STATE_FILE)
+    if reason:
+        raise LaunchError(f"trainer.resume={where!r} is not a checkpoint to start from: {reason}; give a sealed "
+                          "round checkpoint (<output_dir>/checkpoints/round_NNNNNN, or a checkpoint output of an "
+                          "earlier execution), or trainer.resume=disable")
+    return where, RoundState.from_json((local / ckpt.STATE_FILE).read_text())
+
+
+def _fetch(fa, src: str, dest: Path) -> None:
+    """Download one file; one that is not there is left missing (the check after names it)."""
+    try:
+        fa.get_data(src, str(dest))
+    except TRANSIENT:
+        raise
+    except Exception as e:  # flytekit wraps a missing source in its own download error
+        log.info("could not download %s: %s", src, e)
 
 
 @task(requests=CPU_SMALL, container_image=CPU_IMAGE, enable_deck=True, deck_fields=DECK_FIELDS,

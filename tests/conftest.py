@@ -145,3 +145,19 @@ def word_problem_files(tmp_path_factory):
     from rlhf.data.word_problems import write_splits
 
     return write_splits(str(tmp_path_factory.mktemp("word_problems")), {"train": 16, "test": 4, "sft": 4}, seed=3)
+
+
+@pytest.fixture(scope="session")
+def two_rounds(tmp_path_factory):
+    """A finished two-round in-process run (the tiny model, `tests/test_trainer.py`'s TINY) with a
+    checkpoint after each round; its base policy is `<out>/base_model`. Shared: copy before changing."""
+    from rlhf.round import checkpoint as ckpt
+    from rlhf.train import train
+    from test_pipeline import MOVING
+    from test_trainer import tiny_cfg
+
+    out = tmp_path_factory.mktemp("two_rounds")
+    train(tiny_cfg(out, "trainer.total_rounds=2", *MOVING))
+    found = sorted(ckpt.checkpoint_root(out).glob("round_*"))
+    assert [p.name for p in found] == ["round_000001", "round_000002"]
+    return out

@@ -38,4 +38,7 @@ def test_tiny_real_scale_benchmark_writes_every_section(tmp_path):
     assert [r["round"] for r in co["per_round"]] == [1, 2, 3] and co["summary"]["wall_over_compute"] >= 1.0
     # save_freq 2: round 2's checkpoint goes to the upload hook once sealed; round 3 closes the segment
     assert [name for name, _ in co["uploaded"]] == ["round_000002"] and co["closing_checkpoint"] == "round_000003"
+    # the segment's stall counts its checkpoint step (round 1 reserves the host buffers) and the copy waits
+    assert all("timing_s/save_checkpoint" in r["parts_s"] for r in co["per_round"])
+    assert co["summary"]["checkpoint_stall_max_s"] == max(r["checkpoint_stall_s"] for r in co["per_round"]) > 0
     assert not (tmp_path / "ck" / "work").exists()

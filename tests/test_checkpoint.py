@@ -24,18 +24,6 @@ def _flip_a_byte(f: Path, at: int | None = None) -> None:
     f.write_bytes(bytes(data))
 
 
-@pytest.fixture(scope="module")
-def two_rounds(tmp_path_factory):
-    """A finished two-round run with a checkpoint after each round."""
-    from rlhf.train import train
-
-    out = tmp_path_factory.mktemp("two_rounds")
-    train(tiny_cfg(out, "trainer.total_rounds=2", *MOVING))
-    found = sorted(ckpt.checkpoint_root(out).glob("round_*"))
-    assert [p.name for p in found] == ["round_000001", "round_000002"]
-    return out
-
-
 def _copy_run(src: Path, dest: Path) -> tuple[Path, Path]:
     import shutil
 

@@ -121,9 +121,9 @@ def test_missing_column_and_wrong_type_and_wrong_struct(tmp_path):
         read_prompts(str(tmp_path / "a.parquet"))
 
     df = flat_frame(2)
-    df["ground_truth"] = [1, 2]
+    df["ability"] = [1, 2]  # (numeric ground truths are read as text: tests/test_ground_truth.py)
     write_parquet_atomic(df, str(tmp_path / "b.parquet"))
-    wrong_type = r"(?s)b\.parquet.*column 'ground_truth' has dtype int64, expected str values \(row 0: 1;"
+    wrong_type = r"(?s)b\.parquet.*column 'ability' has dtype int64, expected str values \(row 0: 1;"
     with pytest.raises(DataValidationError, match=wrong_type):
         read_prompts(str(tmp_path / "b.parquet"), drop_invalid=True)
 

@@ -215,3 +215,73 @@ def test_dry_run_checks_a_launch_without_running_it(tmp_path):
     assert "warning: the train set has 10 prompts but a round draws 16" in proc.stdout
     assert not out.exists(), "the dry run wrote outputs"
     assert "Setting accelerator" not in proc.stderr, "the dry run imported DeepSpeed"
+
+
+# -- the check tells what the run does, every mistake at once -----------------------------------------
+
+
+def _plan_rounds(stdout: str) -> int:
+    line = next(line for line in stdout.splitlines() if line.strip().startswith("rounds: "))
+    return int(line.split()[1])
+
+
+def test_the_dry_run_counts_the_rounds_of_trainer_total_epochs_as_the_run_does(tmp_path, two_rounds, capsys):
+    """`trainer.total_epochs=2` over 10 user prompts of which 3 are too long for
+    data.max_prompt_length: the run counts the rounds of 2 epochs of the 7 it keeps, and the
+    dry run says the same number (before: trainer.total_rounds, 100)."""
+    from rlhf.config.sizes import rounds_for_epochs
+    from rlhf.data.arithmetic import make_arithmetic
+    from rlhf.train import Run
+    from rlhf.train.cli import main
+
+    train = make_arithmetic(10, seed=1).assign(data_source="openai/gsm8k")
+    train.loc[:2, "prompt"] = "1+" * 30 + "1="
+    train.to_parquet(tmp_path / "train.parquet")
+    make_arithmetic(8, seed=2).assign(data_source="openai/gsm8k").to_parquet(tmp_path / "val.parquet")
+    args = [*TINY, f"data.train_files={tmp_path}/train.parquet", f"data.val_files={tmp_path}/val.parquet",
+            f"model.path={two_rounds / 'base_model'}", "data.max_prompt_length=32", "trainer.total_epochs=2",
+            "data.train_batch_size=2", "actor.ppo_mini_batch_size=2", f"trainer.output_dir={tmp_path / 'out'}"]
+    assert main(["--dry-run", *args]) == 0
+    planned = _plan_rounds(capsys.readouterr().out)
+    cfg = load_config(None, args)
+    run = Run(cfg)
+    try:
+        assert planned == run.cfg.trainer.total_rounds == rounds_for_epochs(cfg, 7) != rounds_for_epochs(cfg, 10)
+    finally:
+        run.close()
+
+
+@pytest.mark.parametrize("module", ["rlhf.train", "rlhf.train.check"])
+def test_every_mistake_of_a_launch_is_reported_in_one_pass_with_true_hints(tmp_path, capsys, module):
+    """Two wrong values in the config file, one wrong override, batch sizes that do not divide and
+    a model directory that is not there: one run of the check names all five; the hint for a
+    local path says to check it (before: one mistake per run, and `hf download /...`)."""
+    import importlib
+
+    main = importlib.import_module("rlhf.train.cli" if module == "rlhf.train" else module).main
+    cfg_file = tmp_path / "my.yaml"
+    cfg_file.write_text("actor:\n  clip_ratio: 2\ntrainer:\n  save_freq: 0\n  total_rounds: 3\n")
+    extra = ["--dry-run"] if module == "rlhf.train" else []
+    with pytest.raises(SystemExit) as stop:
+        main([*extra, "critic.lr=-1", "--cfg", str(cfg_file), "data.train_batch_size=7",
+              f"model.path={tmp_path}/no/such/model"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("error: 5 mistakes in this launch:"), err
+    for part in (f"{cfg_file}: actor.clip_ratio must be in (0, 1)", f"{cfg_file}: config key 'trainer.save_freq' is 0",
+                 "config key 'critic.lr' is -1", "must divide data.train_batch_size (7)",
+                 f"model path '{tmp_path}/no/such/model' is not a local directory: nothing is there; check the path"):
+        assert part in err, (part, err)
+    assert "hf download" not in err
+
+
+@pytest.mark.parametrize("module", ["rlhf.train", "rlhf.train.check"])
+def test_overrides_may_stand_before_and_after_cfg(tmp_path, capsys, module):
+    import importlib
+
+    main = importlib.import_module("rlhf.train.cli" if module == "rlhf.train" else module).main
+    cfg_file = tmp_path / "my.yaml"
+    cfg_file.write_text("trainer:\n  test_freq: 2\n")
+    extra = ["--dry-run"] if module == "rlhf.train" else []
+    assert main([*extra, "trainer.total_rounds=2", "--cfg", str(cfg_file), "trainer.steps_per_round=3"]) == 0
+    out = capsys.readouterr().out
+    assert "rounds: 2 x 3 steps" in out and "validation every 2 round(s)" in out, out

@@ -164,11 +164,11 @@ def test_new_execution_resumes_from_a_named_checkpoint(base_model, tmp_path):
 
 def test_resume_from_a_directory_that_is_no_checkpoint_is_refused(tmp_path):
     from rlhf.config import ConfigError
-    from rlhf.train import resume_point
+    from rlhf.train import resume_candidates
 
     with pytest.raises(ConfigError, match="trainer.resume=.*does not exist"):
-        resume_point(str(tmp_path / "nowhere"), tmp_path)
+        resume_candidates(str(tmp_path / "nowhere"), tmp_path)
     (tmp_path / "half").mkdir()
     with pytest.raises(ConfigError, match="manifest"):
-        resume_point(str(tmp_path / "half"), tmp_path)
-    assert resume_point("disable", tmp_path) is None and resume_point("auto", tmp_path) is None
+        resume_candidates(str(tmp_path / "half"), tmp_path)
+    assert resume_candidates("disable", tmp_path) == resume_candidates("auto", tmp_path) == ([], [])

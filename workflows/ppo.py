@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import pandas as pd
 from flytekit import conditional, dynamic, workflow
@@ -167,11 +167,16 @@ def ppo_train(cfg: PPOConfig, train: Prompts, val: Prompts, base_model: FlyteDir
 
 
 @workflow(on_failure=fail_tracking)
-def ppo_pipeline(cfg: PPOConfig = PPOConfig()) -> Pipeline:
+def ppo_pipeline(cfg: Optional[Union[PPOConfig, str]] = None) -> Pipeline:
     """Data, starting policy (`model.path`, or the tiny model SFT-warm-started in code), PPO
     rounds; returns the final policy directory, the per-step metrics table and the state.
-    Every config key and its meaning: docs/CONFIG.md. Check a launch first, in seconds:
-    python -m rlhf.train.check --cfg my.yaml"""
+    Check a launch first, in seconds: python -m rlhf.train.check --cfg my.yaml
+
+    :param cfg: a YAML or JSON file with the config keys to change (all of them, with their meaning and
+        default: docs/CONFIG.md); left out, the defaults: a tiny model on synthetic arithmetic, on the CPU
+    """
+    # `cfg` may also arrive as the file's path: pyflyte passes the path on when it cannot decode
+    # the file into a config itself, and the first task reads it, naming what is wrong.
     checked = check_config(cfg=cfg)
     data = prepare_data(cfg=checked)
     base = prepare_policy(model=checked.model, seed=checked.trainer.seed, sft=data.sft)

@@ -25,8 +25,8 @@ def rows(cls: type = PPOConfig, prefix: str = "") -> list[tuple[str, str, str, s
 
 def describe_fields(cls: type = PPOConfig) -> None:
     """Put each field's comment into its dataclass metadata as `description` (in place, once per
-    class), where JSON-schema builders read it: flytekit's `pyflyte run ... --help` shows the
-    config input's schema (built by mashumaro), which then says what each key means."""
+    class), where JSON-schema builders read it: the config input's schema that flytekit registers
+    (built by mashumaro, shown by the Flyte console) then says what each key means."""
     import types
 
     hints, notes = get_type_hints(cls), field_comments(cls)

@@ -220,31 +220,35 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     """Load YAML or JSON (`path` may be None for the defaults) and apply overrides (a key
     given twice among them is warned about: the last one wins)."""
     warn_repeated(overrides)
-    data: dict = {}
-    if path:
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            raise ConfigError(f"cannot read config file '{path}': {e.strerror}") from e
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"config file '{path}' is not UTF-8 text ({e}); save it as UTF-8") from e
-        try:
-            data = json.loads(text) if str(path).endswith(".json") else yaml.load(text, Loader=_YAML_LOADER)
-        except (yaml.YAMLError, json.JSONDecodeError) as e:
-            raise ConfigError(f"config file '{path}' is not valid YAML/JSON: {e}") from e
-        except RecursionError as e:
-            raise ConfigError(f"config file '{path}' nests lists or mappings too deeply to parse") from e
-        if data is None:
-            data = {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file '{path}' must hold a mapping at the top level")
+    data = read_config_file(path) if path else {}
     try:
         return from_dict(data, overrides)
     except ConfigError as e:
         if path:
             raise ConfigError(f"{path}: {e}") from e
         raise
+
+
+def read_config_file(path: str | os.PathLike) -> dict:
+    """The mapping a YAML or JSON config file holds, as written (not yet checked against the config)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file '{path}': {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file '{path}' is not UTF-8 text ({e}); save it as UTF-8") from e
+    try:
+        data = json.loads(text) if str(path).endswith(".json") else yaml.load(text, Loader=_YAML_LOADER)
+    except (yaml.YAMLError, json.JSONDecodeError) as e:
+        raise ConfigError(f"config file '{path}' is not valid YAML/JSON: {e}") from e
+    except RecursionError as e:
+        raise ConfigError(f"config file '{path}' nests lists or mappings too deeply to parse") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{path}' must hold a mapping at the top level")
+    return data
 
 
 def save_config(cfg: PPOConfig, path: str | os.PathLike) -> None:

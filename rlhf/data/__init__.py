@@ -1,4 +1,5 @@
-"""Datasets: reading/validating prompt tables, GSM8K preprocessing, the synthetic
+"""Datasets: reading/validating prompt tables (ground truths in one text form:
+`ground_truth`), GSM8K preprocessing, the synthetic
 arithmetic task, prompt sampling/tokenization, and micro-batching/packing.
 
 Submodules are imported directly (`from rlhf.data.io import read_prompts`) so that

@@ -8,7 +8,8 @@ layout (as written by verl's `examples/data_preprocess/gsm8k.py`):
 
 and returns the flat one: the chat list becomes its JSON string, `reward_model` becomes
 `reward_style` / `ground_truth`, `extra_info` becomes a JSON object string, and any other
-column is kept inside `extra_info` under its own name. Every row is validated; a bad row
+column is kept inside `extra_info` under its own name. Ground truths of either layout get
+one text form (`rlhf.data.ground_truth`: 86.0 is "86"; NaN is missing). Every row is validated; a bad row
 raises `DataValidationError` naming the file, row and column, unless `drop_invalid`
 drops it (the count is in `df.attrs["n_dropped"]`).
 """
@@ -29,6 +30,7 @@ import pyarrow.parquet as pq
 from fsspec.core import split_protocol
 from fsspec.implementations.local import LocalFileSystem
 
+from rlhf.data.ground_truth import ground_truth_texts
 from rlhf.data.validation import DataValidationError, validate_prompts
 
 FLAT_COLUMNS = ("prompt", "data_source", "ability", "reward_style", "ground_truth", "extra_info")
@@ -120,15 +122,6 @@ def to_json(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, default=_json_default)
 
 
-def _as_text(value: Any) -> str | None:
-    """verl's ground_truth may be any JSON value; the flat column is a string."""
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)
-    return to_json(value)
-
-
 def _chat_to_json(messages: list[dict] | None) -> str | None:
     if messages is None:
         return None
@@ -159,7 +152,7 @@ def _reward_values(table: pa.Table, name: str) -> tuple[list[Any], list[Any]]:
                                   "struct<style: string, ground_truth: ...> as verl writes it")
     rows = column.to_pylist()
     styles = [None if r is None else r.get("style") for r in rows]
-    truths = [None if r is None else _as_text(r.get("ground_truth")) for r in rows]
+    truths = [None if r is None else r.get("ground_truth") for r in rows]
     return styles, truths
 
 
@@ -231,7 +224,7 @@ def _flatten_verl(table: pa.Table, name: str) -> pd.DataFrame:
     if missing:
         raise DataValidationError(f"{name}: missing column(s) {', '.join(missing)}; {_LAYOUT_HINT}; "
                                   f"found columns {', '.join(names) or '(none)'}")
-    styles, truths = _reward_values(table, name)
+    styles, truths = _reward_values(table, name)  # ground truths as stored: text, numbers, JSON values
     known = set(FLAT_COLUMNS) | {"reward_model"}
     extra_columns = [c for c in names if c not in known and not c.startswith("__index_level_")]
     return pd.DataFrame({
@@ -239,7 +232,7 @@ def _flatten_verl(table: pa.Table, name: str) -> pd.DataFrame:
         "data_source": table.column("data_source").to_pylist(),
         "ability": table.column("ability").to_pylist(),
         "reward_style": styles,
-        "ground_truth": truths,
+        "ground_truth": ground_truth_texts(truths),  # one text form for both layouts
         "extra_info": _extra_info_values(table, extra_columns),
     })
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -21,6 +22,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+# A hub repository id: "name" or "owner/name" of letters, digits, "-", "_", "."; not "." or ".." parts.
+_HUB_NAME = re.compile(r"^(?!\.)[\w.-]+(/(?!\.)[\w.-]+)?$")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 VALUE_HEAD_FILE = "value_head.safetensors"
 VALUE_CONFIG_FILE = "value_model.json"
@@ -78,6 +81,9 @@ def check_model_source(path: str, allow_network: bool = False) -> str:
                              f"with save_pretrained(dir) first")
     if os.path.exists(path):
         raise ModelLoadError(f"model path '{path}' is a file; pass the save_pretrained directory holding it")
+    if not _HUB_NAME.match(path):  # a local path (absolute, relative, ~), never a hub repository name
+        raise ModelLoadError(f"model path '{path}' is not a local directory: nothing is there; check the path "
+                             "(a directory written by save_pretrained, or a GGUF file)")
     if not allow_network:
         raise ModelLoadError(
             f"model path '{path}' is not a local directory; download it first (e.g. `hf download "

@@ -4,7 +4,8 @@ the starting policy (`policy`), the rules both drivers follow (`rules`: seeds, v
 schedule, per-step metrics, the summary), the state that crosses rounds and the
 early-stopping decision (`state`), validation (`evaluate`), stored rollouts
 standing in for the rollout stage (`offline`), and round checkpoints written in the
-background and verified on resume (`checkpoint`, `checkpoint_io`).
+background (`checkpoint`, `checkpoint_io`, `tensor_files`) and verified before any use
+(`checkpoint_verify`).
 
 May import: `rlhf.config`, `rlhf.data`, `rlhf.algos`, `rlhf.models`, `rlhf.rewards`,
 `rlhf.rollout`, `rlhf.trainer`, `schemas`. Never tracking or the drivers (`rlhf.train`):

@@ -6,10 +6,10 @@ Layout: `<output_dir>/checkpoints/round_000005/` holding `actor/` and `critic/`
 `config.yaml` and `state.json` (the `RoundState`). A checkpoint is written under a hidden
 temporary name, sealed with `manifest.json` (every file's size and digest) and renamed
 into place only when complete, so a crash mid-save never leaves a directory that reads as
-valid. A resume checks every file against the manifest: a missing manifest, a missing,
-truncated or changed file is reported and an earlier checkpoint used. Weights holding NaN
-or inf are never checkpointed (`NonFiniteStateError`). `rlhf.round.checkpoint_io` writes the
-files, in a background thread when the driver keeps training meanwhile.
+valid. Before a checkpoint is used, every file is checked against the manifest
+(`rlhf.round.checkpoint_verify`, whose names this module also gives). Weights holding
+NaN or inf are never checkpointed (`NonFiniteStateError`). `rlhf.round.checkpoint_io` writes
+the files, in a background thread when the driver keeps training meanwhile.
 
 `trainer.save_freq` picks the rounds checkpointed (`is_save_point`) and
 `trainer.max_ckpt_to_keep` how many of them stay (`prune`).
@@ -20,29 +20,19 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from rlhf.round.checkpoint_verify import (  # noqa: F401  (checking and finding checkpoints, named here too)
+    MANIFEST_FILE, STATE_FILE, CorruptCheckpointError, checkpoint_root, corrupt, is_complete, latest_checkpoint,
+    round_checkpoints, round_dir_name, verify, why_incomplete)
 from rlhf.models.lora import has_adapters, lora_scaling, merged_state_dict
 from rlhf.round.lora_checkpoint import adapter_files
 
 log = logging.getLogger(__name__)
-
-_NAME = re.compile(r"^round_(\d{6})$")
-STATE_FILE = "state.json"
-MANIFEST_FILE = "manifest.json"  # written last: relative path -> size and digest of every other file
-
-
-def checkpoint_root(output_dir: str | os.PathLike) -> Path:
-    return Path(output_dir) / "checkpoints"
-
-
-def round_dir_name(round_: int) -> str:
-    return f"round_{round_:06d}"
 
 
 def tmp_dir_for(root: Path, round_: int) -> Path:
@@ -65,84 +55,6 @@ def write_manifest(path: Path, digests: dict[str, str] | None = None) -> None:
     tmp = path / f".{MANIFEST_FILE}.tmp"
     tmp.write_text(json.dumps({"digest": algo, "files": files}, indent=1, sort_keys=True))
     os.replace(tmp, path / MANIFEST_FILE)
-
-
-def why_incomplete(path: Path, checksums: bool = True) -> str:
-    """"" for a complete checkpoint, else what is wrong with it. With `checksums`, every
-    file's digest is compared with the manifest's (a full read); otherwise sizes only."""
-    try:
-        manifest = json.loads((path / MANIFEST_FILE).read_text())
-        files, algo = manifest["files"], manifest.get("digest")
-    except FileNotFoundError:
-        return f"no {MANIFEST_FILE} (the save did not finish)"
-    except (ValueError, KeyError, TypeError) as e:
-        return f"unreadable {MANIFEST_FILE} ({e})"
-    for name in (STATE_FILE, "actor/config.json"):
-        if name not in files:
-            return f"{name} is not listed in {MANIFEST_FILE}"
-    for name, entry in files.items():
-        reason = _why_bad_file(path / name, name, entry, algo, checksums)
-        if reason:
-            return reason
-    return ""
-
-
-def _why_bad_file(f: Path, name: str, entry, algo: str | None, checksums: bool) -> str:
-    from rlhf.round.checkpoint_io import file_digest
-
-    size = entry["size"] if isinstance(entry, dict) else entry  # size-only manifests of older versions
-    if not f.is_file():
-        return f"{name} is missing"
-    if f.stat().st_size != size:
-        return f"{name} has {f.stat().st_size} bytes, {size} expected (truncated or overwritten)"
-    if checksums and isinstance(entry, dict) and algo:
-        got = file_digest(f, algo)
-        if got != entry["digest"]:
-            return (f"{name} does not match its {algo} digest in {MANIFEST_FILE} ({got} != {entry['digest']}): "
-                    "its contents changed after the checkpoint was sealed")
-    return ""
-
-
-def is_complete(path: Path, checksums: bool = True) -> bool:
-    return why_incomplete(path, checksums) == ""
-
-
-class CorruptCheckpointError(RuntimeError):
-    """A checkpoint given explicitly fails its manifest's check."""
-
-
-def verify(path: Path) -> None:
-    """Raise `CorruptCheckpointError` naming what is wrong unless checkpoint `path` is complete
-    and every file matches its digest."""
-    reason = why_incomplete(Path(path))
-    if reason:
-        raise corrupt(path, reason)
-
-
-def corrupt(path: Path, reason: str) -> CorruptCheckpointError:
-    return CorruptCheckpointError(f"checkpoint {path} is not valid: {reason}. Start from an earlier checkpoint of "
-                                  "the run, or without one (trainer.resume=disable)")
-
-
-def latest_checkpoint(output_dir: str | os.PathLike, checksums: bool = True) -> Path | None:
-    """The newest complete round checkpoint whose files match their digests; incomplete or
-    changed ones and left-over temporary directories of an interrupted save are skipped,
-    each with a warning naming it."""
-    root = checkpoint_root(output_dir)
-    if not root.is_dir():
-        return None
-    for p in sorted(root.glob(".tmp_*")):
-        log.warning("ignoring half-written checkpoint %s (a save was interrupted before it was renamed)", p)
-    for _, path in reversed(_rounds(root)):
-        reason = why_incomplete(path, checksums)
-        if not reason:
-            return path
-        log.warning("checkpoint %s is not valid: %s; using an earlier one", path, reason)
-    return None
-
-
-def _rounds(root: Path) -> list[tuple[int, Path]]:
-    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)))
 
 
 def commit(tmp: Path, final: Path) -> None:
@@ -176,7 +88,7 @@ def prune_dir(root: Path, keep: int, save_point: Callable[[int], bool] = lambda 
     resumes (the stateless driver hands the optimizer state to the next round through it)."""
     if keep <= 0 or not Path(root).is_dir():
         return
-    found = _rounds(Path(root))
+    found = round_checkpoints(Path(root))
     points = [p for r, p in found if save_point(r)]
     kept = set(points[-keep:]) | ({found[-1][1]} if found else set())
     for _, p in found:

@@ -7,6 +7,7 @@ summary. A driver takes the rounds of offline RLHF from `rlhf.round.offline` its
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import replace
 
@@ -16,6 +17,9 @@ import torch
 from rlhf.config.schema import PPOConfig
 from rlhf.round import stages
 from rlhf.round.state import RoundState, record_steps
+from rlhf.trainer import dist as D
+
+log = logging.getLogger("rlhf.train")
 
 
 def rollout_seed(cfg: PPOConfig, round_: int, rank: int = 0) -> int:
@@ -56,6 +60,35 @@ def store_rollouts(cfg: PPOConfig, scored: pd.DataFrame, round_: int, rank: int 
         from rlhf.data.rollouts import write_round_rollouts
 
         write_round_rollouts(cfg.trainer.rollout_data_dir, scored, round_, rank)
+
+
+def warn_if_unrewarded(scored: pd.DataFrame, round_: int, rank: int = 0) -> str:
+    """In the run's first round (`round_` 1), `unrewarded_warning` logged by rank 0 when no
+    rank's response scored anything but 0; returns it ("" otherwise). All ranks call it."""
+    if round_ != 1:
+        return ""
+    rewarded = D.all_reduce_max(torch.tensor(float((scored["score"] != 0).any()))).item() > 0
+    message = "" if rewarded else unrewarded_warning(scored)
+    if message and rank == 0:
+        log.warning("%s", message)
+    return message
+
+
+def unrewarded_warning(scored: pd.DataFrame, n: int = 3, tail: int = 80) -> str:
+    """A warning when every response in `scored` scored exactly 0 although rule-scored rows carry
+    ground truths, with `n` examples (the prompt's and the response's last `tail` characters,
+    the ground truth); "" otherwise. Such a run trains on no reward at all, most often because
+    the ground truths are not in the form the rule compares (text: "86", not "86.0")."""
+    truths = scored[(scored["reward_style"] == "rule") & scored["ground_truth"].notna()]
+    if truths.empty or (scored["score"] != 0).any():
+        return ""
+    shown = truths.drop_duplicates("prompt").head(n)
+    examples = "\n".join(f"  prompt ...{str(r.prompt)[-tail:]!r}\n  response ...{str(r.response)[-tail:]!r}\n"
+                          f"  ground truth {r.ground_truth!r}" for r in shown.itertuples())
+    return (f"every one of the {len(scored)} responses of the first round scored exactly 0, although {len(truths)} "
+            "of them have a ground truth: the run is training on no reward. Check that the ground truths are in the "
+            "form the responses' answers take (the rule rewards compare text, as verl's do) and that data_source "
+            f"picks the right reward. Examples:\n{examples}")
 
 
 def count_tokens(rollouts: pd.DataFrame) -> float:

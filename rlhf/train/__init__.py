@@ -21,9 +21,10 @@ import sys
 
 from rlhf.config.schema import PPOConfig
 from rlhf.train.cli import main
-from rlhf.train.inprocess import Run, resume_point, run_rounds, train
+from rlhf.round.checkpoint_verify import resume_candidates
+from rlhf.train.inprocess import Run, run_rounds, train
 
-__all__ = ["Run", "main", "resume_point", "run_rounds", "train"]
+__all__ = ["Run", "main", "resume_candidates", "run_rounds", "train"]
 
 
 class _CallableModule(type(sys)):

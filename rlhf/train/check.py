@@ -4,12 +4,15 @@
     python -m rlhf.train --dry-run [--cfg FILE] [key=value ...]
     pyflyte run workflows/ppo.py ppo_pipeline ...       # check first: python -m rlhf.train.check --cfg FILE
 
-`preflight(cfg)` runs in a few seconds, before DeepSpeed, transformers or Flyte are
-imported: the config's values and batch sizes, the local dataset files (read and
-validated, as the run reads them; remote URIs are left to the run), the model, critic
-and reward-model directories, the position limit against the sequence lengths, and
-how often a round resamples a small train set. A mistake ends the command with its
-message alone (exit status 2); the plan it prints says what the run would do.
+`check_launch(path, overrides)` runs in a few seconds, before DeepSpeed or Flyte are
+imported: the config's values (each key of the file and each override on its own, so that
+every wrong one is named), the batch sizes, the local dataset files (read and validated,
+as the run reads them; remote URIs are left to the run), the model, critic and
+reward-model directories, the position limit against the sequence lengths, and how often
+a round resamples a small train set (`preflight` for a config already built). Every
+mistake found ends the command in one report (exit status 2), each with its message
+alone; the plan it prints says what the run would do, its rounds counted as the run
+counts them (`trainer.total_epochs` over the train rows the run keeps).
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ import argparse
 import logging
 import sys
 from dataclasses import dataclass, field
+from typing import Callable
 
-from rlhf.config.load import load_config
+from rlhf.config.load import from_dict, load_config, read_config_file
 from rlhf.config.schema import ConfigError, PPOConfig
-from rlhf.config.sizes import derive_sizes
+from rlhf.config.sizes import derive_sizes, resolve_epochs
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +34,12 @@ MAX_CHECK_BYTES = 256 << 20  # local datasets up to this size are read and valid
 
 
 class CheckFailed(ValueError):
-    """A launch that cannot run: the message names the key, file or row and what to do."""
+    """A launch that cannot run: the message names each key, file or row and what to do
+    (`problems`: one message per mistake)."""
+
+    def __init__(self, message: str, problems: list[str] | None = None):
+        super().__init__(message)
+        self.problems = problems or [message]
 
 
 @dataclass
@@ -89,37 +98,54 @@ def _local_bytes(path: str, base_dir: str) -> int:
     return sum(int(fs.size(f) or 0) for f in files)
 
 
-def _check_models(cfg: PPOConfig, plan: Plan) -> None:
+def _check_models(cfg: PPOConfig, plan: Plan, problems: list[Exception]) -> None:
     from rlhf.models.load import check_model_source
 
     m = cfg.model
     for key, path in (("model.path", m.path), ("model.critic_path", m.critic_path),
                       ("reward.model_path", cfg.reward.model_path)):
         if path and _is_local(path):
-            check_model_source(path, allow_network=m.allow_network)
-            plan.lines.append(f"{key}: {path}")
+            if _attempt(problems, check_model_source, path, allow_network=m.allow_network) is not None:
+                plan.lines.append(f"{key}: {path}")
     if not m.path:
         plan.lines.append(f"policy: tiny model built in code ({m.tiny.num_hidden_layers} layers, hidden "
                           f"{m.tiny.hidden_size}), SFT warm-start {'on' if m.sft.enable else 'off'}")
 
 
+def _attempt(problems: list[Exception], fn, *args, **kwargs):
+    """`fn(*args, **kwargs)`, or None with its error added to `problems` when it finds a mistake."""
+    try:
+        return fn(*args, **kwargs)
+    except (ValueError, OSError) as e:  # ConfigError, DataValidationError, ModelLoadError, missing files
+        problems.append(e)
+        return None
+
+
+def _failed(problems: list[Exception]) -> Exception:
+    """The error of a check that found `problems`: a config mistake alone as its `ConfigError`,
+    anything else as `CheckFailed` naming every one."""
+    if len(problems) == 1 and isinstance(problems[0], (ConfigError, CheckFailed)):
+        return problems[0]
+    messages = [str(e) for e in problems]
+    return CheckFailed(_report(messages), messages)
+
+
 def preflight(cfg: PPOConfig) -> Plan:
-    """Check `cfg`'s launch without running it; raises `CheckFailed` (or `ConfigError`) with the fix."""
+    """Check `cfg`'s launch without running it; raises `CheckFailed` naming every mistake found
+    (each with its fix)."""
     from rlhf.data.checks import check_position_limit, resampling_message
 
-    plan = Plan()
+    plan, problems = Plan(), []
     t = cfg.trainer
     world = t.n_gpus_per_node * t.nnodes
-    try:
-        sizes = derive_sizes(cfg, world)
-        _check_models(cfg, plan)
-        check_position_limit(cfg)
-        n_train = _check_data(cfg, plan)
-    except ConfigError:
-        raise
-    except (ValueError, OSError) as e:  # DataValidationError, ModelLoadError, missing files
-        raise CheckFailed(str(e)) from None
-    plan.lines.append(f"rounds: {t.total_rounds} x {t.steps_per_round} steps of {sizes.prompts_per_step} prompts "
+    sizes = _attempt(problems, derive_sizes, cfg, world)
+    _check_models(cfg, plan, problems)
+    _attempt(problems, check_position_limit, cfg)
+    n_train = _attempt(problems, _check_data, cfg, plan)
+    rounds = _attempt(problems, _rounds, cfg, n_train) if n_train is not None and not problems else None
+    if problems:
+        raise _failed(problems)
+    plan.lines.append(f"rounds: {rounds} x {t.steps_per_round} steps of {sizes.prompts_per_step} prompts "
                       f"x {cfg.rollout.n} responses, on {world} rank(s), validation every {t.test_freq} round(s)")
     plan.lines.append(f"outputs: {t.output_dir}; trackers: {', '.join(t.logger)}")
     if n_train >= 0 and (message := resampling_message(n_train, cfg)):
@@ -127,14 +153,138 @@ def preflight(cfg: PPOConfig) -> Plan:
     return plan
 
 
+def _rounds(cfg: PPOConfig, n_read: int) -> str:
+    """The rounds the run will do: `trainer.total_rounds`, or with `trainer.total_epochs` the
+    rounds `resolve_epochs` makes of the train rows the run keeps (the rows read, `n_read`, fitted
+    to the policy's tokenizer as `rlhf.round.stages.fit_data` does), told with how they were
+    counted; when the check did not read the rows (remote or large files), the run counts them."""
+    epochs = cfg.trainer.total_epochs
+    if epochs <= 0:
+        return str(cfg.trainer.total_rounds)
+    if n_read < 0:
+        return f"{epochs} epoch(s) of the train rows (counted by the run once it has read them)"
+    from rlhf.round import stages
+
+    train = stages.prepare_data(cfg).train
+    if cfg.data.filter_overlong_prompts:
+        train = stages.fit_prompts(train, _tokenizer(cfg), cfg, "train")
+    rounds = resolve_epochs(cfg, len(train)).trainer.total_rounds
+    kept = f"{len(train)} of {n_read}" if len(train) != n_read else f"{n_read}"
+    return f"{rounds} ({epochs} epoch(s) of {kept} train prompts)"
+
+
+def _tokenizer(cfg: PPOConfig):
+    """The policy's tokenizer, as the run will load it (the tiny model's is built in code)."""
+    if not cfg.model.path:
+        from rlhf.models.tokenizer import build_char_tokenizer
+
+        return build_char_tokenizer()
+    from rlhf.models.gguf import resolve_model_path
+    from rlhf.models.load import load_options, load_tokenizer
+
+    return load_tokenizer(resolve_model_path(cfg.model.path, allow_network=cfg.model.allow_network),
+                          **load_options(cfg.model))
+
+
+def check_launch(path: str | None, overrides: list[str],
+                 announce: Callable[[PPOConfig], None] | None = None) -> tuple[PPOConfig, Plan]:
+    """The config of `path` and `overrides` and its checked launch; raises `CheckFailed` naming
+    every mistake found, in the config (`config_mistakes`) and in the launch (`preflight`, run
+    on the keys that are right so that its mistakes are found in the same pass). `announce`
+    sees the config before the launch is checked (the defaults line explains a check's error)."""
+    cfg, mistakes = load_checked(path, overrides)
+    if cfg is None:
+        raise CheckFailed(_report(mistakes), mistakes)
+    if announce is not None:
+        announce(cfg)
+    try:
+        plan = preflight(cfg)
+    except (ConfigError, CheckFailed) as e:
+        found = mistakes + getattr(e, "problems", [str(e)])
+        raise CheckFailed(_report(found), found) from None
+    if mistakes:
+        raise CheckFailed(_report(mistakes), mistakes)
+    return cfg, plan
+
+
+def load_checked(path: str | None, overrides: list[str]) -> tuple[PPOConfig | None, list[str]]:
+    """(config, mistakes): `load_config(path, overrides)` and no mistake, or every mistake in
+    them and the config of the keys that are right (None when those clash with each other, or
+    the file cannot be read). Each key of the file and each override is tried on its own over
+    the defaults, and a key wrong on its own counts only if it is also wrong beside the right
+    ones (its validity may depend on another key); what the right ones get wrong together is
+    the last mistake."""
+    try:
+        return load_config(path, overrides), []
+    except ConfigError as whole:
+        first = str(whole)
+    try:
+        data = read_config_file(path) if path else {}
+    except ConfigError as e:
+        return None, [str(e)]
+    items = [("file", leaf) for leaf in _leaves(data)] + [("override", text) for text in overrides]
+    alone = [_mistake([item], path) for item in items]
+    right = [item for item, wrong in zip(items, alone) if not wrong]
+    mistakes = []
+    for item, wrong in zip(items, alone):
+        if wrong and _mistake(right + [item], path):
+            mistakes.append(wrong)
+        elif wrong:
+            right.append(item)
+    together = _mistake(right, path)
+    mistakes += [together] if together else []
+    cfg = None if together else from_dict(*_split(right))
+    return cfg, mistakes or [first]
+
+
+def _leaves(tree: dict, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], object]]:
+    """(key path, value) of every value of a nested mapping that is not itself a non-empty mapping."""
+    out = []
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            out += _leaves(v, prefix + (str(k),))
+        else:
+            out.append((prefix + (str(k),), v))
+    return out
+
+
+def _split(items: list) -> tuple[dict, list[str]]:
+    """(the nested mapping of the file keys, the overrides) of a selection of items."""
+    tree: dict = {}
+    for kind, item in items:
+        if kind == "file":
+            parts, value = item
+            node = tree
+            for p in parts[:-1]:
+                node = node.setdefault(p, {})
+            node[parts[-1]] = value
+    return tree, [item for kind, item in items if kind == "override"]
+
+
+def _mistake(items: list, path: str | None) -> str:
+    """What is wrong with the config these items make, "" when nothing."""
+    try:
+        from_dict(*_split(items))
+        return ""
+    except ConfigError as e:
+        from_file = any(kind == "file" for kind, _ in items) and len(items) == 1
+        return f"{path}: {e}" if from_file else str(e)
+
+
+def _report(problems: list[str]) -> str:
+    if len(problems) == 1:
+        return problems[0]
+    return f"{len(problems)} mistakes in this launch:\n" + "\n".join(f"  - {p}" for p in problems)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m rlhf.train.check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cfg", help="YAML or JSON config file (see docs/CONFIG.md)")
-    p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    args = p.parse_args(argv)
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides (before or after --cfg)")
+    args = p.parse_intermixed_args(argv)
     try:
-        plan = preflight(load_config(args.cfg, args.overrides))
+        _, plan = check_launch(args.cfg, args.overrides)
     except (ConfigError, CheckFailed) as e:
         p.exit(2, f"error: {e}\n")
     print(plan.text())

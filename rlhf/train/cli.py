@@ -16,7 +16,6 @@ import logging
 import os
 from pathlib import Path
 
-from rlhf.config.load import load_config
 from rlhf.config.schema import ConfigError
 from rlhf.config.verl_defaults import defaults_line
 from rlhf.train.inprocess import train
@@ -30,20 +29,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--summary-json", help="also write the summary here")
     p.add_argument("--dry-run", action="store_true",
                    help="check the config, data files and model directory, print the plan, and exit")
-    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.clip_ratio=0.3")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.clip_ratio=0.3 (before or "
+                   "after --cfg)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rlhf.train.check import CheckFailed, preflight
+    from rlhf.train.check import CheckFailed, check_launch
 
     p = _parser()
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # overrides may stand before and after --cfg
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        cfg = load_config(args.cfg, args.overrides)
-        _announce_defaults(cfg)
-        plan = preflight(cfg)
+        cfg, plan = check_launch(args.cfg, args.overrides, announce=_announce_defaults)
     except (ConfigError, CheckFailed) as e:
         p.exit(2, f"error: {e}\n")
     if args.dry_run:
@@ -76,9 +74,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors that name a key, file or row and what to do: shown without a traceback."""
     from rlhf.data.io import DataValidationError
     from rlhf.models.load import ModelLoadError
+    from rlhf.round.checkpoint import CorruptCheckpointError
     from rlhf.train.check import CheckFailed
 
-    return ConfigError, CheckFailed, DataValidationError, ModelLoadError
+    return ConfigError, CheckFailed, DataValidationError, ModelLoadError, CorruptCheckpointError
 
 
 def _places(summary: dict) -> dict[str, str]:

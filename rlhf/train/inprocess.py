@@ -18,10 +18,11 @@ from typing import Callable, Optional
 import pandas as pd
 import torch
 
-from rlhf.config.schema import ConfigError, PPOConfig
+from rlhf.config.schema import PPOConfig
 from rlhf.config.sizes import resolve_epochs
 from rlhf.models.lora import has_adapters
 from rlhf.round import checkpoint as ckpt
+from rlhf.round import checkpoint_verify as verify
 from rlhf.round import offline, rules, stages
 from rlhf.round.policy import prepare_policy
 from rlhf.round.state import RoundState, Verdict, decide
@@ -40,25 +41,35 @@ class Run:
 
     def __init__(self, cfg: PPOConfig):
         self._setup_process(cfg, Path(cfg.trainer.output_dir))
+        starts, failed = self._find_resume()
+        # The newest checkpoint's digests are checked while the data and the policy are prepared.
+        first = starts[0].path if starts else None
+        verified = verify.start_verify(first, self.rank) if first is not None else None
         data = stages.prepare_data(cfg)
         if self.rank == 0:
             base_dir = prepare_policy(cfg, self.out, data)
         D.barrier()
         base_dir = D.broadcast_object(base_dir if self.rank == 0 else None)
-        resume = self._find_resume()
-        self._build(base_dir, data, resume, state=None, fit=True)
+        advice = verify.resume_advice(cfg.trainer.resume, self.out)
+        self._build(base_dir, data, starts, fit=True, advice=advice, failed=failed, verified=verified)
         self.sink = S.run_sink(self.cfg, self.rank)
 
     @classmethod
     def start(cls, cfg: PPOConfig, base_dir: str, train: pd.DataFrame, val: pd.DataFrame,
-              checkpoint: Optional[Path], state: RoundState, out_dir: str | Path, sink=None) -> "Run":
+              checkpoint: Optional[Path], state: RoundState, out_dir: str | Path, sink=None,
+              resume: Optional[Path] = None) -> "Run":
         """A run from prompt tables already fitted to the tokenizer, the base (reference)
         policy, checkpoint `checkpoint` (None: the base policy, the state's KL coefficient)
-        and `state`; checkpoints go under `out_dir`, metrics to `sink` (rank 0's)."""
+        and `state`; or, when `resume` is given (a retried segment's own newer checkpoint),
+        from `resume` with the state saved there, falling back to `checkpoint` if `resume`
+        fails its check. Checkpoints go under `out_dir`, metrics to `sink` (rank 0's)."""
         run = cls.__new__(cls)
         run._setup_process(cfg, Path(out_dir))
         data = stages.DataBundle(train=train, val=val, sft=None)
-        run._build(base_dir, data, Path(checkpoint) if checkpoint else None, state=state, fit=False)
+        given = S.Start(Path(checkpoint) if checkpoint else None, state)
+        starts = ([S.Start(Path(resume))] if resume else []) + [given]
+        advice = verify.earlier_advice(state.checkpoints, str(checkpoint))
+        run._build(base_dir, data, starts, fit=False, advice=advice)
         from rlhf.tracking.sinks import NullSink
 
         run.sink = sink if sink is not None and run.rank == 0 else NullSink()
@@ -76,23 +87,27 @@ class Run:
         self._reserved = False  # whether the writer's host buffers are allocated
         self.timing: dict[str, float] = {}  # the last round's stage and checkpoint times, in seconds
 
-    def _build(self, base_dir: str, data: stages.DataBundle, resume: Optional[Path], state: Optional[RoundState],
-               fit: bool) -> None:
-        """Tokenizer, trainer (from `resume` or the base policy), engine, reward model; the
-        state is `state`, else the one saved in `resume`, else the initial one."""
+    def _build(self, base_dir: str, data: stages.DataBundle, starts: list[S.Start], fit: bool, advice: str,
+               failed: Optional[list[str]] = None, verified: Optional[Callable[[], None]] = None) -> None:
+        """Tokenizer, trainer (from the first of `starts` whose checkpoint passes its check,
+        `setup.load_first_valid`), engine, reward model."""
         cfg = self.cfg
         self.base_dir = base_dir
-        self.resumed_from = str(resume) if resume else ""
         self.tokenizer = S.load_tokenizer(cfg, base_dir)
         self.data = stages.fit_data(data, self.tokenizer, cfg) if fit else data
         self.cfg = cfg = resolve_epochs(cfg, len(self.data.train))  # trainer.total_epochs -> total_rounds
         from rlhf.data.checks import check_fit
 
         check_fit(cfg, len(self.data.train), base_dir)
-        self.trainer, self.state = S.load_trainer(cfg, self.sizes, base_dir, self.device, resume, state)
+        self.start_timing: dict[str, float] = {}  # seconds: trainer build, wait for the digests, restore
+        self.trainer, self.state, start = S.load_first_valid(cfg, self.sizes, base_dir, self.device, starts, advice,
+                                                             failed, verified, self.start_timing)
+        resume = start.path
+        self.resumed_from = str(resume) if resume else ""
         if resume:
             log.info("resumed from %s at round %d (global step %d, kl_coef %.5g)", resume, self.state.round,
                      self.state.global_step, self.state.kl_coef)
+            self._reserve()  # the optimizer state exists: the writer allocates its buffers while round 1 runs
         # The engine is built on first use (`engine`): offline training without validation never builds one.
         self._policy_dir, self._engine = (str(resume / "actor") if resume else base_dir), None
         if resume and has_adapters(self.trainer.actor.module):
@@ -107,11 +122,14 @@ class Run:
         self.last_scored: Optional[pd.DataFrame] = None
         self.last_steps: list[dict[str, float]] = []
 
-    def _find_resume(self) -> Path | None:
-        """`trainer.resume`'s checkpoint (rank 0 reads and checks it, then tells every rank)."""
-        found = resume_point(self.cfg.trainer.resume, self.out) if self.rank == 0 else None
-        found = D.broadcast_object(str(found) if found else "")
-        return Path(found) if found else None
+    def _find_resume(self) -> tuple[list[S.Start], list[str]]:
+        """Where the run may start, in order, and the checkpoints already found broken (rank 0
+        looks, then tells every rank): `trainer.resume`'s checkpoints, newest first; the base
+        policy only when there is no checkpoint at all (none left after the broken ones stops
+        the run: `setup.load_first_valid`)."""
+        found = verify.resume_candidates(self.cfg.trainer.resume, self.out) if self.rank == 0 else None
+        paths, failed = D.broadcast_object(([str(p) for p in found[0]], found[1]) if found else None)
+        return [S.Start(Path(p)) for p in paths] or ([] if failed else [S.Start(None)]), failed
 
     @property
     def engine(self):
@@ -127,7 +145,7 @@ class Run:
         """One whole round, as the in-process driver runs it: the update (`update_round`),
         the validation and early-stop decision (`end_round`), the checkpoint (`checkpoint`)."""
         verdict = self.end_round(self.update_round())
-        self.checkpoint(verdict.stop)
+        self.checkpoint(ckpt.should_save(self.cfg.trainer, self.state.round, verdict.stop))
         return verdict
 
     def update_round(self) -> list[dict[str, float]]:
@@ -136,6 +154,7 @@ class Run:
         cfg, timer = self.cfg, {}
         rollouts, scored = self._generate(timer)
         rules.store_rollouts(cfg, scored, self.state.round + 1, self.rank)
+        rules.warn_if_unrewarded(scored, self.state.round + 1, self.rank)
         t = time.perf_counter()
         local = self._update_share(scored)
         torch.manual_seed(rules.update_seed(cfg, self.state.round, self.rank))
@@ -206,22 +225,28 @@ class Run:
         return stages.val_score(metrics)
 
     # -- checkpoints and weights ------------------------------------------------------------
-    def checkpoint(self, stopping: bool) -> None:
-        """The in-process driver's checkpoint policy: a checkpoint at a save point (every
-        `trainer.save_freq` rounds, the last round, an early stop), written in the background;
-        otherwise (once, after the first update has made the optimizer state) the writer's host
-        buffers allocated while the next rounds run. The times go to the sink."""
+    def checkpoint(self, save: bool, on_sealed: Callable[[Path], None] = lambda path: None) -> None:
+        """The checkpoint step of a round, the same for the in-process driver and a segment:
+        with `save` (a save point of the driver's policy), a checkpoint written in the
+        background (`save`); otherwise, once the optimizer state exists (after the first update,
+        or at the start from a checkpoint), the writer's host buffers allocated in its thread
+        while the next rounds run, so that no save copies into fresh memory pages (an optimizer
+        step after it would wait for them). Its time on the training thread goes to the sink as
+        `timing_s/save_checkpoint`."""
         t = time.perf_counter()
-        if ckpt.should_save(self.cfg.trainer, self.state.round, stopping):
-            self.save()
+        if save:
+            self.save(on_sealed)
         elif not self._reserved:
-            ckpt.reserve(ckpt.checkpoint_root(self.out), self.trainer, self.tokenizer, self.cfg, self.state,
-                         self.writer)
-            self._reserved = True
+            self._reserve()
         self.timing["timing_s/save_checkpoint"] = _lap(t)
-        self.sink.log_metrics({k: self.timing.get(k, 0.0) for k in ("timing_s/save_checkpoint",
-                                                                    "timing_s/checkpoint_wait")},
+        # `timing_s/checkpoint_wait` went out with the round's step metrics.
+        self.sink.log_metrics({"timing_s/save_checkpoint": self.timing["timing_s/save_checkpoint"]},
                               step=self.state.global_step)
+
+    def _reserve(self) -> None:
+        """The writer's host buffers for the saves to come, allocated in its thread (`ckpt.reserve`)."""
+        ckpt.reserve(ckpt.checkpoint_root(self.out), self.trainer, self.tokenizer, self.cfg, self.state, self.writer)
+        self._reserved = True
 
     def save(self, on_sealed: Callable[[Path], None] = lambda path: None) -> Path:
         """Start the round checkpoint (`setup.save_checkpoint`, under `<out>/checkpoints`):
@@ -268,22 +293,6 @@ class Run:
                 self.sink.close(status)
 
 
-def resume_point(resume: str, output_dir: Path) -> Optional[Path]:
-    """The checkpoint `trainer.resume` starts from: the newest complete one in the output
-    directory ("auto"; every file checked against its digest), none ("disable"), or the
-    named checkpoint directory."""
-    if resume == "auto":
-        return ckpt.latest_checkpoint(output_dir)
-    if resume == "disable":
-        return None
-    path = Path(resume)
-    reason = "it does not exist" if not path.is_dir() else ckpt.why_incomplete(path)
-    if reason:
-        raise ConfigError(f"trainer.resume={resume!r} is not a checkpoint to start from: {reason}; give a round "
-                          "checkpoint directory (<output_dir>/checkpoints/round_NNNNNN), auto or disable")
-    return path
-
-
 def _lap(t: float) -> float:
     return time.perf_counter() - t
 
@@ -316,7 +325,7 @@ def train(cfg: PPOConfig) -> dict:
         t_loop, rounds_before = time.perf_counter(), run.state.round
 
         def after_round(r: Run) -> None:
-            r.checkpoint(stopping=bool(r.state.stop_reason))
+            r.checkpoint(ckpt.should_save(r.cfg.trainer, r.state.round, bool(r.state.stop_reason)))
             _progress(r, t_loop, r.state.round - rounds_before)
 
         verdict = run_rounds(run, cfg.trainer.total_rounds, after_round=after_round)

@@ -80,15 +80,15 @@ def run_segment(cfg: PPOConfig, base_dir: str, train: pd.DataFrame, val: pd.Data
     if state.round >= cfg.trainer.total_rounds:
         raise ValueError(f"the run is at round {state.round} of trainer.total_rounds={cfg.trainer.total_rounds}: "
                          "no round is left for a segment; raise trainer.total_rounds to train on")
-    start_from = Path(resume) if resume else (Path(checkpoint) if checkpoint else None)
-    run = Run.start(cfg, base_dir, train, val, start_from, None if resume else state, out_dir, sink=sink)
+    run = Run.start(cfg, base_dir, train, val, Path(checkpoint) if checkpoint else None, state, out_dir, sink=sink,
+                    resume=Path(resume) if resume else None)
     first_step = state.global_step
 
     def after_round(r: Run) -> None:
-        if should_save(cfg, r.state.round, end):
-            # Written, sealed and then uploaded in the writer's thread while the next rounds run;
-            # a failed attempt waits for it in `close` (its retry resumes from it).
-            r.save(on_sealed=on_checkpoint)
+        # At a save point the checkpoint is written, sealed and then uploaded in the writer's thread
+        # while the next rounds run (a failed attempt waits for it in `close`; its retry resumes
+        # from it); before the first one, the writer's host buffers are allocated meanwhile.
+        r.checkpoint(save=should_save(cfg, r.state.round, end), on_sealed=on_checkpoint)
         on_round(r)
 
     try:

@@ -7,11 +7,13 @@ validation and checkpoints from here, so the same config builds the same objects
   `start_process` (that, plus the process group, the seed, the size checks and rank 0's
   output directory);
 - trainer: `build_trainer` (models from a checkpoint's safetensors or the base policy) and
-  `load_trainer` (that, plus the checkpoint's optimizer state and round state);
-  `start_verify` checks a checkpoint's files while the trainer is built, before its state
-  is restored;
+  `load_trainer` (that, plus the checkpoint's optimizer state and round state, its files
+  checked against their digests while the trainer is built, `rlhf.round.checkpoint_verify`);
+  `load_first_valid` tries the places a run may start from in order and says which file
+  failed, or stops naming them all;
 - rollout engine: `make_engine` (on the trainer's module or a policy directory) and
-  `policy_engine` (a saved policy with its own tokenizer);
+  `policy_engine` (a saved policy with its own tokenizer; one inside a checkpoint checked
+  against the checkpoint's digests while the engine is built);
 - tracking: `run_sink` (a driver that owns its run) and `open_tracking` / `tracking_sink` /
   `keep_pending` (stages that share one MLflow run, resumed by id);
 - validation: `evaluate` and `log_evaluation`;
@@ -38,9 +40,9 @@ segment saves after the decision inside the segment and after the last update at
 
 from __future__ import annotations
 
+import logging
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
@@ -56,7 +58,10 @@ from rlhf.round import checkpoint as ckpt
 from rlhf.round import evaluate as validation
 from rlhf.round import stages
 from rlhf.round.state import RoundState, record_val
+from rlhf.round.checkpoint_verify import next_hint, none_valid, policy_checkpoint, start_verify  # noqa: F401
 from rlhf.trainer import dist as D
+
+log = logging.getLogger("rlhf.round.checkpoint")
 
 # -- process ------------------------------------------------------------------------------
 
@@ -152,23 +157,13 @@ def critic_source(cfg: PPOConfig, base_dir: str) -> str:
     return resolve_model_path(cfg.model.critic_path, allow_network=cfg.model.allow_network)
 
 
-def start_verify(path: Path, rank: int) -> Callable[[], None]:
-    """Start checking every file of checkpoint `path` against its digest: rank 0 hashes them
-    in a background thread while the caller goes on (building the trainer). The function
-    returned waits for that check and tells the other ranks; all raise
-    `CorruptCheckpointError` when a file is missing or changed."""
-    pending = None
-    if rank == 0:
-        pool = ThreadPoolExecutor(1, thread_name_prefix="verify")
-        pending = pool.submit(ckpt.why_incomplete, path)
-        pool.shutdown(wait=False)  # its thread ends after this one check
+@dataclass(frozen=True)
+class Start:
+    """A place a trainer may start from: checkpoint `path` (None: the base policy) with `state`
+    (None: the state saved in the checkpoint, or the initial one)."""
 
-    def wait() -> None:
-        reason = D.broadcast_object(pending.result() if pending else None)
-        if reason:
-            raise ckpt.corrupt(path, reason)
-
-    return wait
+    path: Optional[Path]
+    state: Optional[RoundState] = None
 
 
 def load_trainer(cfg: PPOConfig, sizes: Sizes, base_dir: str, device: torch.device, resume: Optional[Path],
@@ -177,10 +172,14 @@ def load_trainer(cfg: PPOConfig, sizes: Sizes, base_dir: str, device: torch.devi
     """(trainer, state) at the start of a round: the trainer built from checkpoint `resume`
     with its optimizer state restored, or from the base policy, fresh. The state is `state`,
     else the one saved in `resume`, else the initial one; it is applied to the trainer (KL
-    coefficient, skip counter). `verified` (from `start_verify`) is waited for between the
-    build and the restore. `timing` gets `timing_s/build_trainer`, `timing_s/verify_checkpoint`
-    (the wait) and `timing_s/restore`."""
+    coefficient, skip counter). The checkpoint's files are checked against their digests while
+    the trainer is built (`verified`, when the caller started that check earlier with
+    `start_verify`), before anything of it is used: a missing or changed file raises
+    `CorruptCheckpointError` naming it. `timing` gets `timing_s/build_trainer`,
+    `timing_s/verify_checkpoint` (the wait) and `timing_s/restore`."""
     timing = {} if timing is None else timing
+    if resume is not None and verified is None:
+        verified = start_verify(resume, D.world()[0])
     t = time.perf_counter()
     try:
         trainer = build_trainer(cfg, sizes, base_dir, device, resume)
@@ -191,7 +190,12 @@ def load_trainer(cfg: PPOConfig, sizes: Sizes, base_dir: str, device: torch.devi
     timing["timing_s/build_trainer"] = time.perf_counter() - t
     t = time.perf_counter()
     if verified is not None:
-        verified()
+        try:
+            verified()
+        except ckpt.CorruptCheckpointError:
+            del trainer  # before the next start is built: its device memory goes first
+            _free_memory()
+            raise
     timing["timing_s/verify_checkpoint"] = time.perf_counter() - t
     t = time.perf_counter()
     if resume:
@@ -201,6 +205,36 @@ def load_trainer(cfg: PPOConfig, sizes: Sizes, base_dir: str, device: torch.devi
         ckpt.apply_state(trainer, state)
     timing["timing_s/restore"] = time.perf_counter() - t
     return trainer, state
+
+
+def load_first_valid(cfg: PPOConfig, sizes: Sizes, base_dir: str, device: torch.device, starts: list[Start],
+                     advice: str, failed: Optional[list[str]] = None,
+                     verified: Optional[Callable[[], None]] = None, timing: Optional[dict[str, float]] = None):
+    """(trainer, state, start) from the first of `starts` whose checkpoint passes its check
+    (`load_trainer`; `verified` is the first one's check, when already started). A failed one
+    is logged naming the file and the next one tried; when none is left, raises
+    `CorruptCheckpointError` listing every failure (`failed` holds those found before) and
+    `advice`, what to do. A start without a checkpoint (the base policy) never fails."""
+    failed = list(failed or [])
+    for i, start in enumerate(starts):
+        try:
+            trainer, state = load_trainer(cfg, sizes, base_dir, device, start.path, start.state, timing,
+                                          verified if i == 0 else None)
+            return trainer, state, start
+        except ckpt.CorruptCheckpointError as e:
+            failed.append(getattr(e, "what", "") or str(e))
+            rest = [s.path or "the base policy" for s in starts[i + 1:]]
+            log.warning("checkpoint %s is not valid; %s", failed[-1], next_hint(rest))
+    raise none_valid(failed, advice)
+
+
+def _free_memory() -> None:
+    """Collect what a dropped trainer held (its engines hold reference cycles), device memory too."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 # -- rollout engine -----------------------------------------------------------------------
@@ -218,15 +252,38 @@ def make_engine(cfg: PPOConfig, policy_dir: str, tokenizer, device: torch.device
 
 def policy_engine(cfg: PPOConfig, model_dir: str, device: torch.device):
     """(engine, tokenizer) for the policy saved in `model_dir`, with that directory's tokenizer.
-    LoRA adapters (a LoRA checkpoint's actor/) are merged into their base first for vLLM,
-    which loads a plain model directory; the HF engines merge them as they load."""
-    tokenizer = load_tokenizer(cfg, model_dir)
-    if cfg.rollout.name == "vllm" and is_adapter_dir(model_dir):
-        from rlhf.models.load import load_causal_lm, load_options, save_model_atomic
+    A policy inside a round checkpoint (`<checkpoint>/actor`) has its files checked against the
+    checkpoint's digests while the engine is built, and is refused (`CorruptCheckpointError`
+    naming the file) before it generates anything. LoRA adapters (a LoRA checkpoint's actor/)
+    are merged into their base first for vLLM, which loads a plain model directory; the HF
+    engines merge them as they load."""
+    inside = policy_checkpoint(model_dir)
+    verified = start_verify(inside[0], D.world()[0], part=inside[1]) if inside else None
+    try:
+        tokenizer = load_tokenizer(cfg, model_dir)
+        engine = make_engine(cfg, _plain_model_dir(cfg, model_dir, tokenizer), tokenizer, device)
+    except Exception:
+        if verified is not None:
+            verified()  # a changed file explains a failed load better than its traceback
+        raise
+    if verified is not None:
+        try:
+            verified()
+        except ckpt.CorruptCheckpointError:
+            engine.close()
+            raise
+    return engine, tokenizer
 
-        merged = load_causal_lm(model_dir, dtype=cfg.model.dtype, **load_options(cfg.model))
-        model_dir = save_model_atomic(merged, tokenizer, str(Path(tempfile.mkdtemp(prefix="merged_policy_")) / "m"))
-    return make_engine(cfg, model_dir, tokenizer, device), tokenizer
+
+def _plain_model_dir(cfg: PPOConfig, model_dir: str, tokenizer) -> str:
+    """`model_dir`, or for vLLM and a LoRA adapter directory, its adapters merged into their
+    base and saved as a plain model directory."""
+    if cfg.rollout.name != "vllm" or not is_adapter_dir(model_dir):
+        return model_dir
+    from rlhf.models.load import load_causal_lm, load_options, save_model_atomic
+
+    merged = load_causal_lm(model_dir, dtype=cfg.model.dtype, **load_options(cfg.model))
+    return save_model_atomic(merged, tokenizer, str(Path(tempfile.mkdtemp(prefix="merged_policy_")) / "m"))
 
 
 # -- tracking -----------------------------------------------------------------------------

@@ -29,6 +29,7 @@ import pandas as pd
 import torch
 
 from rlhf.round import checkpoint as ckpt
+from rlhf.round import checkpoint_verify as verify
 from rlhf.round import stages
 from rlhf.round.policy import prepare_policy
 from rlhf.config.schema import DataConfig, ModelConfig, PPOConfig, TrainerConfig
@@ -47,6 +48,7 @@ from rlhf.round.rules import (  # noqa: F401 (the stateless stages' API)
     store_rollouts,
     summary,
     update_seed,
+    warn_if_unrewarded,
 )
 import rlhf.train.setup as S
 
@@ -156,7 +158,10 @@ def update_from_checkpoint(cfg: PPOConfig, base_model_dir: str, checkpoint_dir: 
     resume = Path(checkpoint_dir) if checkpoint_dir else None
     verified = S.start_verify(resume, proc.rank) if resume else None  # hashed while the trainer is built
     tokenizer = S.load_tokenizer(cfg, base_model_dir)
-    trainer, _ = S.load_trainer(cfg, proc.sizes, base_model_dir, proc.device, resume, state, timing, verified)
+    trainer, _, _ = S.load_first_valid(cfg, proc.sizes, base_model_dir, proc.device, [S.Start(resume, state)],
+                                       verify.earlier_advice(state.checkpoints, str(resume)), verified=verified,
+                                       timing=timing)
+    warn_if_unrewarded(scored, state.round + 1, proc.rank)
     traces = proc.out / f".profile_{ckpt.round_dir_name(state.round + 1)}"
     steps = _update(cfg, trainer, tokenizer, stages.shard_for_update(scored, cfg, proc.rank, proc.world), state,
                     proc, traces, sink if proc.rank == 0 else None, timing)

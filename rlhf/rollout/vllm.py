@@ -81,7 +81,7 @@ def engine_kwargs(model_dir: str, cfg: RolloutConfig, seed: int, on_cpu: bool, d
         tensor_parallel_size=cfg.tensor_model_parallel_size,
         distributed_executor_backend=backend,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
-        max_num_seqs=min(256, cfg.max_num_batched_tokens),
+        max_num_seqs=min(cfg.max_num_seqs, cfg.max_num_batched_tokens),
         logprobs_mode="processed_logprobs",
         trust_remote_code=trust_remote_code,
     )

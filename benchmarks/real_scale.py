@@ -5,6 +5,7 @@
     python benchmarks/real_scale.py --staged-rounds 2 --drivers staged --ckpt-dir /dev/shm/rs \
         --staged-alt-dir /tmp/rs                                                 # one device call each
     python benchmarks/real_scale.py --tiny --out /tmp/real_scale_tiny.json     # the same code on a CPU
+    python benchmarks/real_scale.py --rounds 10 --drivers in_process --rollout vllm ...  # vLLM in place of hf_fast
 
 The workload: a Qwen2.5-1.5B-shaped actor and critic (random init, bf16), 64 prompts x 4
 responses, prompts up to 512 tokens, responses up to 256, `hf_fast` rollout, GAE with the
@@ -109,6 +110,11 @@ def summarize(records: list[dict], compute_keys: tuple[str, ...]) -> dict:
             "bytes_read_mean": sum(r["bytes_read"] for r in records) / len(records)}
 
 
+def rollout_corr(run) -> dict[str, float]:
+    """The round's last step's rollout/trainer mismatch metrics (verl's names)."""
+    return {k: v for k, v in run.last_step.items() if k.startswith(("rollout_corr/", "training/rollout_probs"))}
+
+
 def free_device() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -167,7 +173,8 @@ def run_in_process(cfg, rounds: int, device: torch.device) -> dict:
             parts = {k: v for k, v in run.timing.items() if k.startswith("timing_s/")}
             deleted = sum(DELETED)
             stall = parts.get("timing_s/save_checkpoint", 0.0) + parts.get("timing_s/checkpoint_wait", 0.0) - deleted
-            rec.add(parts, checkpoint_stall_s=stall, benchmark_delete_s=deleted, writer_busy_after_round=run.writer.busy)
+            rec.add(parts, checkpoint_stall_s=stall, benchmark_delete_s=deleted, writer_busy_after_round=run.writer.busy,
+                    rollout_corr=rollout_corr(run))
         t = time.perf_counter()
         final_wait = run.flush()
         flushed = time.perf_counter() - t
@@ -257,7 +264,7 @@ def run_colocated(cfg, rounds: int, device: torch.device) -> dict:
     def on_round(run) -> None:
         parts = {k: v for k, v in run.timing.items() if k.startswith("timing_s/")}
         rec.add(parts, checkpoint_stall_s=parts.get("timing_s/checkpoint_wait", 0.0),
-                writer_busy_after_round=run.writer.busy)
+                writer_busy_after_round=run.writer.busy, rollout_corr=rollout_corr(run))
         rec.start()
 
     prep = time.perf_counter() - t
@@ -305,6 +312,7 @@ def main(argv=None) -> dict:
                    "one 1.5B checkpoint is 43 GB, and the staged round reads one while it writes the next)")
     p.add_argument("--one-checkpoint", action="store_true", help="delete the checkpoint in place before the "
                    "in-process driver writes the next (a machine with room for one 1.5B checkpoint)")
+    p.add_argument("--rollout", default="", help="rollout.name (default: the workload's, hf_fast)")
     p.add_argument("--out", default="benchmarks/results/real_scale_h200.json")
     a = p.parse_args(argv)
     if a.one_checkpoint:
@@ -314,7 +322,7 @@ def main(argv=None) -> dict:
     shape, base = ("tiny", TINY) if a.tiny else ("1.5b", WORKLOAD)
     root = Path(a.ckpt_dir or Path(a.out).with_suffix("")) / "work"
     shutil.rmtree(root, ignore_errors=True)
-    cfg_base = {**base, "trainer.device": device.type}
+    cfg_base = {**base, "trainer.device": device.type, **({"rollout.name": a.rollout} if a.rollout else {})}
     n_train = base["data.train_batch_size"] * max(a.rounds, a.staged_rounds)
     model_dir, train, val = make_workload(root, shape, device, n_train, N_VAL[shape], base["data.max_prompt_length"])
     use_word_tokenizer(G.SHAPES[shape]["vocab_size"])

@@ -41,8 +41,7 @@ case $step in
   site)
     cat $UP/site.tar.xz.* > /tmp/site.tar.xz && (cd /tmp && grep site.tar.xz $UP/SHA256SUMS | sha256sum -c) &&
       mkdir -p $SITE && tar xJf /tmp/site.tar.xz -C $SITE --strip-components=1 && rm /tmp/site.tar.xz &&
-      python3 -c "import vllm, deepspeed, flytekit, pandera; print('vllm', vllm.__version__, 'deepspeed',
-deepspeed.__version__, 'flytekit', flytekit.__version__)" ;;
+      python3 -c "import vllm, deepspeed, flytekit; print(vllm.__version__, deepspeed.__version__, flytekit.__version__)" ;;
   gguf)
     mkdir -p /tmp/model && cat $UP/gguf.* > $GGUF && (cd /tmp/model && grep gguf $UP/SHA256SUMS | sha256sum -c) ;;
   smoke)

@@ -14,8 +14,8 @@
 #   bash benchmarks/vllm_h200.sh site                # join, check and unpack the tree into /tmp/site
 #   bash benchmarks/vllm_h200.sh gguf                # join and check the GGUF file
 #   bash benchmarks/vllm_h200.sh smoke OUT           # benchmarks/vllm_smoke.py
-#   bash benchmarks/vllm_h200.sh train OUT ROUNDS    # python -m rlhf.train --cfg examples/... rollout.name=vllm
-#   bash benchmarks/vllm_h200.sh mismatch OUT        # SmolLM2: vLLM's log-probs against the trainer's
+#   bash benchmarks/vllm_h200.sh train OUT ROUNDS [key=value ...]  # python -m rlhf.train --cfg examples/...
+#   bash benchmarks/vllm_h200.sh mismatch OUT [--eager]  # SmolLM2: vLLM's log-probs against the trainer's
 #   bash benchmarks/vllm_h200.sh pyflyte OUT ROUNDS  # pyflyte run workflows/ppo.py ppo_pipeline --cfg ...
 #   bash benchmarks/vllm_h200.sh throughput OUT      # 1.5B shape: vllm against hf_fast, one call
 #   bash benchmarks/vllm_h200.sh rounds OUT DRIVER   # 1.5B rounds with vLLM (real_scale.py), 10 rounds
@@ -50,11 +50,11 @@ case $step in
     python3 -m rlhf.data.word_problems --output data/word_problems > /dev/null
     timeout 300 python3 -m rlhf.train --cfg examples/smollm2_gsm8k_1gpu.yaml rollout.name=vllm model.path=$GGUF \
       trainer.total_rounds=${3:-4} trainer.test_freq=2 trainer.save_freq=2 trainer.output_dir=/tmp/o_train \
-      --summary-json "$out/train_summary.json" 2>&1 | tee "$out/train.log" ;;
+      "${@:4}" --summary-json "$out/train_summary.json" 2>&1 | tee "$out/train.log" ;;
   mismatch)
     timeout 180 python3 benchmarks/vllm_rollout.py --model-dir $GGUF --prompts-file data/word_problems/train.parquet \
       --cfg examples/smollm2_gsm8k_1gpu.yaml --rows 64 --rollout-n 4 --out "$out/vllm_mismatch_smollm2_h200.json" \
-      2>&1 | tail -40 > "$out/mismatch.log" ;;
+      "${@:3}" 2>&1 | tail -40 > "$out/mismatch.log" ;;
   pyflyte)
     python3 -m rlhf.data.word_problems --output data/word_problems > /dev/null
     smol_cfg /tmp/pyflyte_cfg.yaml "${3:-3}" $GGUF && cp /tmp/pyflyte_cfg.yaml "$out/pyflyte_cfg.yaml"

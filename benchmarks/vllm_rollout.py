@@ -32,7 +32,8 @@ def make_engine(model_dir: str, a, dtype: str):
     from rlhf.rollout.vllm import VLLMRolloutEngine
 
     cfg = RolloutConfig(name="vllm", gpu_memory_utilization=a.vllm_memory, max_num_seqs=a.batch,
-                        max_num_batched_tokens=max(a.vllm_batched_tokens, a.batch), free_cache_engine=False)
+                        max_num_batched_tokens=max(a.vllm_batched_tokens, a.batch), free_cache_engine=False,
+                        enforce_eager=a.eager)
     t = time.perf_counter()
     engine = VLLMRolloutEngine(model_dir, cfg, seed=a.seed, dtype=dtype)
     return engine, time.perf_counter() - t
@@ -142,6 +143,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-memory", type=float, default=0.5, help="rollout.gpu_memory_utilization")
     p.add_argument("--vllm-batched-tokens", type=int, default=16384, help="rollout.max_num_batched_tokens")
     p.add_argument("--mismatch-rows", type=int, default=256, help="responses scored by the trainer's forward")
+    p.add_argument("--eager", action="store_true", help="rollout.enforce_eager: no torch.compile, no CUDA graphs")
 
 
 def main(argv=None) -> None:

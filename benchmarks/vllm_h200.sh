@@ -7,7 +7,8 @@
 # manylinux x86_64: vLLM 0.26.0 without its FlashAttention-2 and MoE kernel libraries and its
 # Rust server frontend (Hopper uses FlashAttention 3; a dense model runs no MoE kernel), the
 # small dependencies vLLM imports that the image lacks, DeepSpeed 0.19.8 (DS_BUILD_OPS=0),
-# flytekit 1.16.31 with the kfpytorch and pandera plugins, pandera, gguf. The SmolLM2-135M
+# pandera, gguf (and, for the pyflyte step, flytekit 1.16.31 with the kfpytorch and pandera
+# plugins, great-tables, botocore, kubernetes: 30 MB more). The SmolLM2-135M
 # GGUF file comes beside it. Both arrive in parts under /tmp/up (site.tar.xz.NN, gguf.NN)
 # with their sha256 in SHA256SUMS.
 #
@@ -41,7 +42,7 @@ case $step in
   site)
     cat $UP/site.tar.xz.* > /tmp/site.tar.xz && (cd /tmp && grep site.tar.xz $UP/SHA256SUMS | sha256sum -c) &&
       mkdir -p $SITE && tar xJf /tmp/site.tar.xz -C $SITE --strip-components=1 && rm /tmp/site.tar.xz &&
-      python3 -c "import vllm, deepspeed, flytekit; print(vllm.__version__, deepspeed.__version__, flytekit.__version__)" ;;
+      python3 -c "import vllm, deepspeed, pandera; print(vllm.__version__, deepspeed.__version__)" ;;
   gguf)
     mkdir -p /tmp/model && cat $UP/gguf.* > $GGUF && (cd /tmp/model && grep gguf $UP/SHA256SUMS | sha256sum -c) ;;
   smoke)

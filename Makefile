@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 # DeepSpeed JIT-builds one CPU communication op on first use; keep it between runs.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup setup-vllm setup-verl setup-gguf setup-gsm setup-browser run run-local sweep test test-fast sft lock audit clean
+.PHONY: setup setup-vllm setup-verl setup-gguf setup-gsm setup-browser run run-local sweep test test-fast sft lock lock-images audit clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -95,6 +95,24 @@ sft: setup
 lock: setup setup-vllm
 	{ echo "# Every package of a working .venv (make setup setup-vllm), pinned; regenerate with make lock."; \
 	  $(PIP) freeze --exclude-editable; } > requirements.lock
+
+## Lock the task images: every transitive package of containers/requirements-{gpu,cpu}.txt, resolved by uv
+## for the images' platform (GPU: Python 3.12, CUDA 13 wheels from PyPI; CPU: Python 3.11, torch from
+## TORCH_CPU_INDEX) into containers/requirements-{gpu,cpu}.lock, which the images install. uv comes in
+## its own venv (UV_VENV) unless UV names one. tests/test_image_locks.py checks the locks match.
+UV_VENV ?= .cache/uv-venv
+UV ?= $(UV_VENV)/bin/uv
+TORCH_CPU_INDEX ?= --extra-index-url https://download.pytorch.org/whl/cpu --index-strategy unsafe-best-match
+LOCK_FLAGS = --python-platform x86_64-manylinux_2_28 --custom-compile-command "make lock-images" --quiet
+$(UV_VENV)/bin/uv:
+	$(PY) -m venv $(UV_VENV)
+	$(UV_VENV)/bin/python -m pip install -q 'uv==0.13.9'
+
+lock-images: $(if $(filter $(UV_VENV)/bin/uv,$(UV)),$(UV_VENV)/bin/uv)
+	$(UV) pip compile containers/requirements-gpu.txt --python-version 3.12 $(LOCK_FLAGS) \
+	  -o containers/requirements-gpu.lock
+	$(UV) pip compile containers/requirements-cpu.txt --python-version 3.11 $(LOCK_FLAGS) $(TORCH_CPU_INDEX) \
+	  -o containers/requirements-cpu.lock
 
 ## Known vulnerabilities in requirements.lock (pip-audit); reasons for ignored IDs in .pip-audit-ignore.
 audit: setup

@@ -25,8 +25,8 @@ COPY_BANDWIDTH = 4.3e12  # measured device-to-device copy bandwidth of one H200,
 
 # Qwen2.5 shapes (config.json of the published models); "tiny" runs the same code on a CPU.
 SHAPES = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,  # head_dim 32:
+                 num_key_value_heads=1, vocab_size=512, tie_word_embeddings=True),  # vLLM CPU's smallest
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
@@ -154,7 +154,7 @@ def environment(device: torch.device) -> dict:
     out = {"python": platform.python_version(), "torch": torch.__version__, "host": platform.node(),
            "device": str(device), "argv": " ".join([os.path.basename(sys.executable)] + sys.argv),
            "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
-    for name in ("transformers", "deepspeed", "trl", "accelerate", "datasets"):
+    for name in ("transformers", "deepspeed", "trl", "accelerate", "datasets", "vllm", "flytekit"):
         try:
             out[name] = __import__(name).__version__
         except Exception:  # not installed here

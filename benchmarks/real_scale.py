@@ -7,6 +7,7 @@
     python benchmarks/real_scale.py --tiny --out /tmp/real_scale_tiny.json     # the same code on a CPU
     python benchmarks/real_scale.py --shape 7b --lora-rank 64 --rounds 10 --drivers in_process,colocated \
         --ckpt-dir /dev/shm/rs --out benchmarks/results/real_scale_7b_lora_h200.json   # LoRA, 7B shape
+    python benchmarks/real_scale.py --rounds 10 --drivers in_process --rollout vllm ...  # vLLM in place of hf_fast
 
 The workload: a Qwen2.5-1.5B-shaped actor and critic (random init, bf16), 64 prompts x 4
 responses, prompts up to 512 tokens, responses up to 256, `hf_fast` rollout, GAE with the
@@ -111,6 +112,11 @@ def summarize(records: list[dict], compute_keys: tuple[str, ...]) -> dict:
             "bytes_read_mean": sum(r["bytes_read"] for r in records) / len(records)}
 
 
+def rollout_corr(run) -> dict[str, float]:
+    """The round's last step's rollout/trainer mismatch metrics (verl's names)."""
+    return {k: v for k, v in run.last_step.items() if k.startswith(("rollout_corr/", "training/rollout_probs"))}
+
+
 def free_device() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -169,7 +175,8 @@ def run_in_process(cfg, rounds: int, device: torch.device) -> dict:
             parts = {k: v for k, v in run.timing.items() if k.startswith("timing_s/")}
             deleted = sum(DELETED)
             stall = parts.get("timing_s/save_checkpoint", 0.0) + parts.get("timing_s/checkpoint_wait", 0.0) - deleted
-            rec.add(parts, checkpoint_stall_s=stall, benchmark_delete_s=deleted, writer_busy_after_round=run.writer.busy)
+            rec.add(parts, checkpoint_stall_s=stall, benchmark_delete_s=deleted, writer_busy_after_round=run.writer.busy,
+                    rollout_corr=rollout_corr(run))
         t = time.perf_counter()
         final_wait = run.flush()
         flushed = time.perf_counter() - t
@@ -262,7 +269,8 @@ def run_colocated(cfg, rounds: int, device: torch.device) -> dict:
         parts = {k: v for k, v in run.timing.items() if k.startswith("timing_s/")}
         deleted = sum(DELETED)
         stall = parts.get("timing_s/save_checkpoint", 0.0) + parts.get("timing_s/checkpoint_wait", 0.0) - deleted
-        rec.add(parts, checkpoint_stall_s=stall, benchmark_delete_s=deleted, writer_busy_after_round=run.writer.busy)
+        rec.add(parts, checkpoint_stall_s=stall, benchmark_delete_s=deleted, writer_busy_after_round=run.writer.busy,
+                rollout_corr=rollout_corr(run))
         DELETED.clear()
         rec.start()
 
@@ -315,6 +323,7 @@ def main(argv=None) -> dict:
                    "(ignored with --tiny)")
     p.add_argument("--lora-rank", type=int, default=0, help="> 0: LoRA of this rank on all linear layers of the "
                    "actor and the critic (model.lora_rank, critic.lora_rank), alpha = 2 x rank")
+    p.add_argument("--rollout", default="", help="rollout.name (default: the workload's, hf_fast)")
     p.add_argument("--out", default="benchmarks/results/real_scale_h200.json")
     a = p.parse_args(argv)
     if a.one_checkpoint:
@@ -327,7 +336,7 @@ def main(argv=None) -> dict:
             ("lora_rank", a.lora_rank), ("lora_alpha", 2 * a.lora_rank), ("target_modules", ["all-linear"]))}}
     root = Path(a.ckpt_dir or Path(a.out).with_suffix("")) / "work"
     shutil.rmtree(root, ignore_errors=True)
-    cfg_base = {**base, "trainer.device": device.type}
+    cfg_base = {**base, "trainer.device": device.type, **({"rollout.name": a.rollout} if a.rollout else {})}
     n_train = base["data.train_batch_size"] * max(a.rounds, a.staged_rounds)
     model_dir, train, val = make_workload(root, shape, device, n_train, N_VAL[shape], base["data.max_prompt_length"])
     use_word_tokenizer(G.SHAPES[shape]["vocab_size"])

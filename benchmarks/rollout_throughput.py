@@ -6,6 +6,7 @@ samples x up to `--max-tokens` new tokens, all sequences in flight together.
   fast      rlhf.rollout.fast_decode.FastHFRolloutEngine (static KV, packed prefill, CUDA graphs)
   hf        rlhf.rollout.hf.HFRolloutEngine (DynamicCache, eager decode loop)
   generate  model.generate(do_sample=True, num_return_sequences=n) with its defaults otherwise
+  vllm      rlhf.rollout.vllm.VLLMRolloutEngine, the same sequences in flight (benchmarks/vllm_rollout.py)
 
 The roofline of a decode step is max(bytes / copy bandwidth, FLOPs / bf16 matmul rate), with
 bytes = the weights once + every row's keys and values up to its current length, and FLOPs
@@ -32,6 +33,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 import torch  # noqa: E402
 
 import gpu_common as G  # noqa: E402
+import vllm_rollout as V  # noqa: E402
 
 
 def roofline(model, prompt_lens: list[int], response_lens: list[int]) -> dict:
@@ -66,6 +68,8 @@ def run_engine(name: str, model, tok, prompts, a, device) -> dict:
     params = SamplingParams(n=a.n, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=a.max_tokens, seed=a.seed)
     if name == "generate":
         return run_generate(model, tok, prompts, a, device)
+    if name == "vllm":
+        return V.run_vllm(model, tok, prompts, a, device)
     if name.startswith("fast"):
         from rlhf.rollout.fast_decode import FastHFRolloutEngine
 
@@ -288,6 +292,31 @@ def step_profile(model, tok, prompt_lens: list[int], a, device, attention: str, 
     return out
 
 
+def diagnostics(result: dict, model, tok, prompts, p_lens, a, device) -> None:
+    """Greedy agreement of the HF engines, the decode-step breakdown and step profiles."""
+    try:
+        result["agreement_greedy"] = agreement(model, tok, prompts[:16], device)
+    except Exception as e:
+        result["agreement_greedy"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+    try:
+        result["decode_breakdown"] = decode_breakdown(model, p_lens, a, device)
+    except Exception as e:
+        result["decode_breakdown"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+    print("decode_breakdown", json.dumps(result["decode_breakdown"])[:800], flush=True)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        result["step_profile"] = {}
+        for attention, fused_ops in (("triton", True), ("triton", False), ("flash", False)):
+            key = attention + ("+fused_ops" if fused_ops else "")
+            try:
+                result["step_profile"][key] = step_profile(model, tok, p_lens, a, device, attention, fused_ops)
+            except Exception as e:
+                result["step_profile"][key] = {"error": f"{type(e).__name__}: {e}",
+                                               "traceback": traceback.format_exc()[-3000:]}
+            print("step_profile", key, json.dumps(result["step_profile"][key])[:1500], flush=True)
+            torch.cuda.empty_cache()
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="1.5b", choices=sorted(G.SHAPES))
@@ -300,9 +329,12 @@ def parse(argv=None):
     p.add_argument("--batch", type=int, default=1024, help="sequences in flight (engine batch_size)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-window-step", type=int, default=128)
+    p.add_argument("--no-diagnostics", dest="diagnostics", action="store_false",
+                   help="engines only (no agreement, decode breakdown or step profiles)")
     p.add_argument("--generate-seconds", type=float, default=60.0,
                    help="cut plain generate after this many seconds (generate's max_time); 0 => run to the end")
     p.add_argument("--out", default="benchmarks/results/rollout_throughput.json")
+    V.add_args(p)
     a = p.parse_args(argv)
     if a.tiny:
         a.model, a.prompts, a.max_prompt, a.max_tokens, a.batch = "tiny", 8, 24, 16, 32
@@ -325,38 +357,15 @@ def main(argv=None) -> None:
                                                           "prompt_len_mean": sum(p_lens) / len(p_lens),
                                                           "prompt_len_max": max(p_lens)},
               "peak_bf16_flops": G.PEAK_BF16_FLOPS, "copy_bandwidth": G.COPY_BANDWIDTH, "engines": {}}
-    try:
-        result["agreement_greedy"] = agreement(model, tok, prompts[:16], device)
-    except Exception as e:
-        result["agreement_greedy"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
-    try:
-        result["decode_breakdown"] = decode_breakdown(model, p_lens, a, device)
-    except Exception as e:
-        result["decode_breakdown"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
-    print("decode_breakdown", json.dumps(result["decode_breakdown"])[:800], flush=True)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        result["step_profile"] = {}
-        for attention, fused_ops in (("triton", True), ("triton", False), ("flash", False)):
-            key = attention + ("+fused_ops" if fused_ops else "")
-            try:
-                result["step_profile"][key] = step_profile(model, tok, p_lens, a, device, attention, fused_ops)
-            except Exception as e:
-                result["step_profile"][key] = {"error": f"{type(e).__name__}: {e}",
-                                               "traceback": traceback.format_exc()[-3000:]}
-            print("step_profile", key, json.dumps(result["step_profile"][key])[:1500], flush=True)
-            torch.cuda.empty_cache()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    if a.diagnostics:
+        diagnostics(result, model, tok, prompts, p_lens, a, device)
     for name in [e for e in a.engines.split(",") if e]:
         try:
             r = run_engine(name, model, tok, prompts, a, device)
-            lens = r.pop("_response_lens")
-            rl = roofline(model, [p for p in p_lens for _ in range(a.n)], lens)
-            r["roofline"] = rl
+            rl = roofline(model, [p for p in p_lens for _ in range(a.n)], r.pop("_response_lens"))
             r["decode_fraction_of_roofline"] = (rl["decode_s"] / r["engine_decode_s"]) if "engine_decode_s" in r \
                 else None
-            r["fraction_of_roofline_end_to_end"] = rl["decode_s"] / r["wall_s"]
+            r["roofline"], r["fraction_of_roofline_end_to_end"] = rl, rl["decode_s"] / r["wall_s"]
             if device.type == "cuda":
                 r["peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
                 torch.cuda.reset_peak_memory_stats(device)
@@ -368,11 +377,8 @@ def main(argv=None) -> None:
             torch.cuda.empty_cache()
         G.write_json(a.out, result)
     tps = {k: v.get("tokens_per_s") for k, v in result["engines"].items()}
-    summary = {"tokens_per_s": tps}
-    if tps.get("fast") and tps.get("generate"):
-        summary["fast_over_generate"] = tps["fast"] / tps["generate"]
-    if tps.get("fast") and tps.get("hf"):
-        summary["fast_over_hf_engine"] = tps["fast"] / tps["hf"]
+    summary = {"tokens_per_s": tps, **{f"fast_over_{k if k == 'generate' else 'hf_engine'}": tps["fast"] / tps[k]
+                                       for k in ("generate", "hf") if tps.get("fast") and tps.get(k)}}
     best = max((k for k in tps if k.startswith("fast") and tps[k]), key=lambda k: tps[k], default=None)
     if best:
         e = result["engines"][best]
@@ -384,7 +390,7 @@ def main(argv=None) -> None:
         summary["targets"] = {  # the engine's defaults ("fast")
             "fast_over_generate_at_least_3x": summary["fast_over_generate"] >= 3.0,
             "decode_at_least_40pct_of_roofline": fast["decode_fraction_of_roofline"] >= 0.40}
-    result["summary"] = summary
+    result["summary"] = {**summary, **V.compare(result)}
     G.write_json(a.out, result)
     print(json.dumps(summary, indent=1))
 

@@ -1,8 +1,13 @@
-"""The task images, declared in code and pinned (the pins live in requirements-*.txt, which
-`containers/Dockerfile` installs too, so both ways of building give the same image).
+"""The task images, declared in code and pinned. The direct pins live in requirements-*.txt;
+requirements-*.lock (`make lock-images`, uv's resolution for the image's Python and
+manylinux_2_28) pins every transitive package, and both these specs and
+`containers/Dockerfile` install the lock, so both ways of building give the same image.
 
-- `CPU_IMAGE`: data preparation, sampling, scoring, decisions, reports, registry calls.
-- `GPU_IMAGE`: rollout (vLLM, CUDA), the DeepSpeed update, evaluation.
+- `CPU_IMAGE`: data preparation, sampling, scoring, decisions, reports, registry calls
+  (Python 3.11, torch's CPU build).
+- `GPU_IMAGE`: rollout (vLLM), the DeepSpeed update, evaluation: Python 3.12 on a CUDA 13
+  base, the stack that ran on an H200 (vLLM 0.26.0, torch 2.11.0, whose PyPI wheels link
+  CUDA 13).
 
 `pyflyte run --remote` / `pyflyte register` build and push them to `REGISTRY`; to use
 images built elsewhere (e.g. from the Dockerfile), pass `--image <ImageSpec id>=<uri>`
@@ -17,27 +22,28 @@ from flytekit import ImageSpec
 
 HERE = Path(__file__).resolve().parent
 REGISTRY = "localhost:30000"  # the Flyte sandbox's registry; set your own for a cluster
-PYTHON = "3.11"
+CPU_PYTHON = "3.11"
+GPU_PYTHON = "3.12"
+GPU_BASE = "nvidia/cuda:13.0.2-cudnn-devel-ubuntu24.04"  # the toolkit DeepSpeed and FlashInfer JIT-build with
 PYTORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
-PYTORCH_CUDA_INDEX = "https://download.pytorch.org/whl/cu128"
 ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 
 CPU_IMAGE = ImageSpec(
     name="flyte-rlhf-cpu",
     registry=REGISTRY,
-    python_version=PYTHON,
-    requirements=str(HERE / "requirements-cpu.txt"),
+    python_version=CPU_PYTHON,
+    requirements=str(HERE / "requirements-cpu.lock"),
     pip_extra_index_url=[PYTORCH_CPU_INDEX],
+    pip_extra_args="--index-strategy unsafe-best-match",  # torch from that index, the rest from PyPI
     env=ENV,
 )
 
 GPU_IMAGE = ImageSpec(
     name="flyte-rlhf-gpu",
     registry=REGISTRY,
-    base_image="nvidia/cuda:12.8.1-cudnn-devel-ubuntu22.04",
-    python_version=PYTHON,
-    requirements=str(HERE / "requirements-gpu.txt"),
-    pip_extra_index_url=[PYTORCH_CUDA_INDEX],
+    base_image=GPU_BASE,
+    python_version=GPU_PYTHON,
+    requirements=str(HERE / "requirements-gpu.lock"),
     apt_packages=["build-essential", "git"],
     env={**ENV, "DS_BUILD_OPS": "0", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"},
 )

@@ -338,7 +338,7 @@ def test_the_trainer_module_forward_never_synchronizes_the_device(monkeypatch):
 @pytest.mark.vllm
 def test_vllm_serves_the_new_weights_in_rounds_without_a_checkpoint(tmp_path):
     """save_freq 5: round 1 writes no checkpoint, and vLLM still serves the updated policy
-    (the actor's weights alone, `<output_dir>/rollout_policy/actor`)."""
+    (the actor's weights, handed to the engine in memory)."""
     pytest.importorskip("vllm")
     from rlhf.round import stages
     from rlhf.models.load import load_causal_lm

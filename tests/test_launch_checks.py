@@ -106,6 +106,19 @@ def test_summary_json_holds_null_for_non_finite_numbers_and_says_so(tmp_path):
 # -- position limit and resampling ----------------------------------------------------------------
 
 
+def test_a_gguf_model_file_passes_the_launch_check_and_a_stray_file_does_not(tmp_path):
+    """model.path may name a GGUF file (converted once when the run starts); any other file is
+    refused with the fix."""
+    from rlhf.train.check import CheckFailed, preflight
+
+    (tmp_path / "policy.gguf").write_bytes(b"GGUF")
+    plan = preflight(load_config(None, [f"model.path={tmp_path / 'policy.gguf'}"]))
+    assert any("policy.gguf (GGUF" in line for line in plan.lines)
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(CheckFailed, match="is a file; pass the save_pretrained directory"):
+        preflight(load_config(None, [f"model.path={tmp_path / 'weights.bin'}"]))
+
+
 def test_sequences_longer_than_the_tiny_models_position_limit_are_refused():
     from rlhf.train.check import preflight
 

@@ -153,6 +153,26 @@ def test_update_weights_then_greedy_matches_new_model(setup):
     assert engine.generate(prompts, greedy).response_ids == before
 
 
+def test_load_weights_from_memory_then_greedy_matches_new_model(setup):
+    """The trainer's tensors go into the running engine without a file; a released engine
+    refuses to generate until they do."""
+    engine, tok, prompts, models = setup["engine"], setup["tok"], setup["prompts"], setup["models"]
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=MAX_TOKENS)
+    before = engine.generate(prompts, greedy).response_ids
+    assert engine.loads_from_memory
+    try:
+        engine.release()
+        with pytest.raises(RuntimeError, match="released"):
+            engine.generate(prompts, greedy)
+        engine.load_weights(models["b"].state_dict().items())
+        after = engine.generate(prompts, greedy).response_ids
+        assert after == [_hf_greedy(models["b"], p, tok.eos_token_id) for p in prompts]
+        assert after != before
+    finally:
+        engine.load_weights(models["a"].state_dict().items())
+    assert engine.generate(prompts, greedy).response_ids == before
+
+
 def test_too_long_request_is_refused(setup):
     engine, prompts = setup["engine"], setup["prompts"]
     with pytest.raises(ValueError, match="max_model_len"):

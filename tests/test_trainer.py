@@ -245,6 +245,8 @@ def test_round_with_vllm_rollout_pushes_new_weights(tmp_path):
         r.close()
     assert served == hf.response_ids
     assert hf.response_ids != base.response_ids, "the update did not change the greedy policy; test is vacuous"
+    assert not (tmp_path / "rollout_policy").exists(), "the weights go to vLLM in memory, not through files"
+    assert r.timing["timing_s/update_weights"] > 0
 
 
 def test_cli_writes_summary_json(tmp_path):

@@ -159,6 +159,9 @@ class RolloutConfig:
     tensor_model_parallel_size: int = 1  # vLLM tensor parallel size
     gpu_memory_utilization: float = 0.5  # vLLM share of GPU memory
     max_num_batched_tokens: int = 8192  # vLLM scheduler token budget
+    max_num_seqs: int = 256  # vLLM sequences in flight (at most max_num_batched_tokens)
+    free_cache_engine: bool = True  # vLLM sleeps (KV cache and weights freed) while the trainer updates; woken with the new weights
+    enforce_eager: bool = False  # vLLM without CUDA graphs or torch.compile (faster start, slower decode)
     generate_batch_size: int = 256  # sequences per HF generate call
     log_prob_micro_batch_size_per_gpu: int = 0  # responses per forward when recomputing behaviour log-probs; 0 => actor.ppo_micro_batch_size_per_gpu
     val_temperature: float = 0.0  # validation sampling temperature; 0 => greedy

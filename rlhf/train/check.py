@@ -99,14 +99,16 @@ def _local_bytes(path: str, base_dir: str) -> int:
 
 
 def _check_models(cfg: PPOConfig, plan: Plan, problems: list[Exception]) -> None:
+    from rlhf.models.gguf import find_gguf
     from rlhf.models.load import check_model_source
 
     m = cfg.model
     for key, path in (("model.path", m.path), ("model.critic_path", m.critic_path),
                       ("reward.model_path", cfg.reward.model_path)):
         if path and _is_local(path):
-            if _attempt(problems, check_model_source, path, allow_network=m.allow_network) is not None:
-                plan.lines.append(f"{key}: {path}")
+            gguf = find_gguf(path)  # a GGUF file is converted to safetensors once, when the run starts
+            if gguf is not None or _attempt(problems, check_model_source, path, allow_network=m.allow_network):
+                plan.lines.append(f"{key}: {path}" + (" (GGUF, converted to safetensors once)" if gguf else ""))
     if not m.path:
         plan.lines.append(f"policy: tiny model built in code ({m.tiny.num_hidden_layers} layers, hidden "
                           f"{m.tiny.hidden_size}), SFT warm-start {'on' if m.sft.enable else 'off'}")

@@ -28,6 +28,7 @@ from rlhf.round.policy import prepare_policy
 from rlhf.round.state import RoundState, Verdict, decide
 import rlhf.train.setup as S
 from rlhf.trainer import dist as D
+from rlhf.trainer.engines import named_weights
 
 log = logging.getLogger("rlhf.train")
 
@@ -112,6 +113,7 @@ class Run:
         self._policy_dir, self._engine = (str(resume / "actor") if resume else base_dir), None
         if resume and has_adapters(self.trainer.actor.module):
             self.sync_engine()  # the checkpoint's actor/ holds adapters; vLLM loads them merged into the base
+        self._engine_behind = False  # the trainer's weights moved on while no engine was built
         self.offline = offline.offline_table(cfg, self.tokenizer)  # the stored rollouts, or None (online)
         self.reward_model = stages.load_reward_model(cfg, self.device)
         self.last_step: dict[str, float] = {}  # the last PPO step's full metrics (for the round line)
@@ -138,6 +140,8 @@ class Run:
         if self._engine is None:
             model = self.trainer.actor.module if self.cfg.rollout.name in ("hf", "hf_fast") else None
             self._engine = S.make_engine(self.cfg, self._policy_dir, self.tokenizer, self.device, model=model)
+            if self._engine_behind:  # built from files older than the trainer's weights
+                self.sync_engine()
         return self._engine
 
     # -- one round -------------------------------------------------------------------------
@@ -158,11 +162,16 @@ class Run:
         t = time.perf_counter()
         local = self._update_share(scored)
         torch.manual_seed(rules.update_seed(cfg, self.state.round, self.rank))
+        if self._engine is not None:
+            self._engine.release()  # vLLM's KV cache and weights make room for the update
         with self.profiler.update(self.state.global_step + 1, cfg.trainer.steps_per_round, self.sink):
             steps = stages.update(self.trainer, local, self.tokenizer.pad_token_id, cfg)
         # Its first optimizer step waited for the copy of the last save's state, if still under way.
         timer["timing_s/checkpoint_wait"] = self.writer.take_stalled()
         timer["timing_s/update"] = _lap(t) - timer["timing_s/checkpoint_wait"]
+        t = time.perf_counter()
+        self.sync_engine()
+        timer["timing_s/update_weights"] = _lap(t)
         gen_metrics = D.mean_across_ranks(stages.rollout_metrics(rollouts, cfg))
         n_tokens = float(D.all_reduce_sum(torch.tensor(rules.count_tokens(rollouts))))
         steps = rules.step_metrics(steps, gen_metrics, timer, n_tokens, self.world, self.trainer, self.device)
@@ -172,7 +181,6 @@ class Run:
         self.last_rollouts, self.last_scored, self.last_steps = rollouts, scored, steps
         self.last_step = steps[-1] if steps else {}
         self.timing = timer
-        self.sync_engine()
         return steps
 
     def _generate(self, timer: dict[str, float]) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -261,14 +269,20 @@ class Run:
 
     def sync_engine(self) -> None:
         """Hand the updated policy to the rollout engine before anything generates again. The HF
-        engines share the trainer's module; vLLM loads the weights from files (every round: the
+        engines share the trainer's module; vLLM is given the trainer's weights in memory when
+        its workers live in this process, else the weights go through files (every round: the
         next rollout or validation must see this round's update)."""
         if self.cfg.rollout.name != "vllm":
             return
+        self._engine_behind = self._engine is None
+        if self._engine is None:
+            return
+        if self._engine.loads_from_memory:
+            self._engine.load_weights(named_weights(self.trainer.actor))
+            return
         policy = ckpt.save_policy(self.out / "rollout_policy", self.trainer.actor, self.tokenizer)
         self._policy_dir = str(policy / "actor")
-        if self._engine is not None:
-            self._engine.update_weights(self._policy_dir)
+        self._engine.update_weights(self._policy_dir)
 
     def flush(self) -> float:
         """Wait for the checkpoint being written; seconds waited."""

@@ -8,6 +8,8 @@ micro-batches (`use_dynamic_bsz`) and lets a non-finite step be skipped.
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 
 from rlhf.config.schema import PPOConfig
@@ -116,6 +118,26 @@ def full_state_dict(engine) -> dict[str, torch.Tensor]:
     if engine.zero_optimization_stage() == 3:
         return consolidated_16bit_state_dict(engine)
     return {k: v.detach() for k, v in engine.module.state_dict().items()}
+
+
+def named_weights(engine) -> Iterator[tuple[str, torch.Tensor]]:
+    """The engine's module weights by name, on every rank, without a copy, for a rollout engine
+    to load from memory (vLLM takes the Hugging Face names). Under ZeRO-3 each module's
+    parameters are gathered while they are read: a collective, so every rank iterates."""
+    module = engine.module
+    if engine.zero_optimization_stage() != 3:
+        for name, tensor in module.state_dict().items():
+            yield name, tensor.detach()
+        return
+    import deepspeed  # heavy; only under ZeRO-3
+
+    for prefix, sub in module.named_modules():
+        params = list(sub.named_parameters(recurse=False))
+        if not params:
+            continue
+        with deepspeed.zero.GatheredParameters([p for _, p in params]):
+            for name, p in params:
+                yield (f"{prefix}.{name}" if prefix else name), p.detach()
 
 
 class NonFiniteGuard:

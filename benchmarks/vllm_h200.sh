@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# vLLM on one H200 (Python 3.12, torch 2.11.0+cu130, transformers 5.17, no network): the
+# product's entry points with rollout.name=vllm, and the measurements beside hf_fast.
+#
+# The machine lacks vLLM, DeepSpeed, flytekit and pandera. They come as one xz tarball of a
+# `pip install --no-deps --target` tree made on another machine for Python 3.12 /
+# manylinux x86_64: vLLM 0.26.0 without its FlashAttention-2 and MoE kernel libraries and its
+# Rust server frontend (Hopper uses FlashAttention 3; a dense model runs no MoE kernel), the
+# small dependencies vLLM imports that the image lacks, DeepSpeed 0.19.8 (DS_BUILD_OPS=0),
+# pandera, gguf (and, for the pyflyte step, flytekit 1.16.31 with the kfpytorch and pandera
+# plugins, great-tables, botocore, kubernetes: 30 MB more). The SmolLM2-135M
+# GGUF file comes beside it. Both arrive in parts under /tmp/up (site.tar.xz.NN, gguf.NN)
+# with their sha256 in SHA256SUMS.
+#
+#   bash benchmarks/vllm_h200.sh site                # join, check and unpack the tree into /tmp/site
+#   bash benchmarks/vllm_h200.sh gguf                # join and check the GGUF file
+#   bash benchmarks/vllm_h200.sh smoke OUT           # benchmarks/vllm_smoke.py
+#   bash benchmarks/vllm_h200.sh train OUT ROUNDS [key=value ...]  # python -m rlhf.train --cfg examples/...
+#   bash benchmarks/vllm_h200.sh mismatch OUT [--eager]  # SmolLM2: vLLM's log-probs against the trainer's
+#   bash benchmarks/vllm_h200.sh pyflyte OUT ROUNDS  # pyflyte run workflows/ppo.py ppo_pipeline --cfg ...
+#   bash benchmarks/vllm_h200.sh throughput OUT      # 1.5B shape: vllm against hf_fast, one call
+#   bash benchmarks/vllm_h200.sh rounds OUT DRIVER   # 1.5B rounds with vLLM (real_scale.py), 10 rounds
+set -o pipefail
+UP=/tmp/up SITE=/tmp/site GGUF=/tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf
+export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
+  VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 DS_BUILD_OPS=0 \
+  RLHF_MODEL_CACHE=/tmp/models
+step=$1 out=${2:-/tmp/out}
+mkdir -p "$out"
+smol_cfg() {  # the example config with vLLM and ROUNDS rounds, for pyflyte (which takes a file)
+  python3 - "$1" "$2" "$3" <<'EOF'
+import sys, yaml
+cfg = yaml.safe_load(open("examples/smollm2_gsm8k_1gpu.yaml"))
+cfg["model"]["path"] = sys.argv[3]
+cfg["rollout"]["name"] = "vllm"
+cfg["trainer"].update(total_rounds=int(sys.argv[2]), test_freq=int(sys.argv[2]), save_freq=int(sys.argv[2]),
+                      output_dir="/tmp/o_pyflyte", rounds_per_segment=int(sys.argv[2]))
+yaml.safe_dump(cfg, open(sys.argv[1], "w"))
+EOF
+}
+case $step in
+  site)
+    cat $UP/site.tar.xz.* > /tmp/site.tar.xz && (cd /tmp && grep site.tar.xz $UP/SHA256SUMS | sha256sum -c) &&
+      mkdir -p $SITE && tar xJf /tmp/site.tar.xz -C $SITE --strip-components=1 && rm /tmp/site.tar.xz &&
+      python3 -c "import vllm, deepspeed, pandera; print(vllm.__version__, deepspeed.__version__)" ;;
+  gguf)
+    mkdir -p /tmp/model && cat $UP/gguf.* > $GGUF && (cd /tmp/model && grep gguf $UP/SHA256SUMS | sha256sum -c) ;;
+  smoke)
+    timeout 240 python3 benchmarks/vllm_smoke.py --out "$out/vllm_smoke_h200.json" 2>&1 | tee "$out/smoke.log" ;;
+  train)
+    python3 -m rlhf.data.word_problems --output data/word_problems > /dev/null
+    timeout 300 python3 -m rlhf.train --cfg examples/smollm2_gsm8k_1gpu.yaml rollout.name=vllm model.path=$GGUF \
+      trainer.total_rounds=${3:-4} trainer.test_freq=2 trainer.save_freq=2 trainer.output_dir=/tmp/o_train \
+      "${@:4}" --summary-json "$out/train_summary.json" 2>&1 | tee "$out/train.log" ;;
+  mismatch)
+    timeout 180 python3 benchmarks/vllm_rollout.py --model-dir $GGUF --prompts-file data/word_problems/train.parquet \
+      --cfg examples/smollm2_gsm8k_1gpu.yaml --rows 64 --rollout-n 4 --out "$out/vllm_mismatch_smollm2_h200.json" \
+      "${@:3}" 2>&1 | tail -40 > "$out/mismatch.log" ;;
+  pyflyte)
+    python3 -m rlhf.data.word_problems --output data/word_problems > /dev/null
+    smol_cfg /tmp/pyflyte_cfg.yaml "${3:-3}" $GGUF && cp /tmp/pyflyte_cfg.yaml "$out/pyflyte_cfg.yaml"
+    timeout 300 python3 -m flytekit.clis.sdk_in_container.pyflyte run workflows/ppo.py ppo_pipeline \
+      --cfg /tmp/pyflyte_cfg.yaml 2>&1 | tee "$out/pyflyte.log" ;;
+  throughput)
+    timeout 300 python3 benchmarks/rollout_throughput.py --engines vllm,fast --no-diagnostics \
+      --out "$out/rollout_vllm_vs_fast_h200.json" 2>&1 | tail -60 > "$out/throughput.log" ;;
+  rounds)
+    timeout 560 python3 benchmarks/real_scale.py --rounds 10 --drivers "${3:-in_process}" --rollout vllm \
+      --ckpt-dir /dev/shm/rs --one-checkpoint --out "$out/real_scale_vllm_${3:-in_process}_h200.json" 2>&1 |
+      grep -v "INFO\|WARNING" | tail -60 > "$out/rounds_${3:-in_process}.log" ;;
+  *) echo "unknown step $step" >&2; exit 2 ;;
+esac

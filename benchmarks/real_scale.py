@@ -117,6 +117,37 @@ def rollout_corr(run) -> dict[str, float]:
     return {k: v for k, v in run.last_step.items() if k.startswith(("rollout_corr/", "training/rollout_probs"))}
 
 
+def update_parts(run, cfg) -> dict[str, float]:
+    """Tokens (prompt and response) the round's update passes over and the seconds of the
+    actor's and the critic's optimisation, from its step metrics (one step a round)."""
+    m = run.last_step
+    n = cfg.data.train_batch_size * cfg.rollout.n
+    return {"tokens": n * (m.get("prompt_length/mean", 0.0) + m.get("response_length/mean", 0.0)),
+            **{f"{r}_s": m[f"timing_s/{r}"] for r in ("update_actor", "update_critic") if f"timing_s/{r}" in m}}
+
+
+def update_mfu(records: list[dict], cfg, shape: str, lora: bool) -> dict:
+    """Model FLOPs utilisation of the actor's and the critic's optimisation passes: per token
+    6 N (forward, activation and weight gradients) in full fine-tuning, 4 N with LoRA (the
+    frozen weights get no gradient; the adapters' own FLOPs are left out), times ppo_epochs,
+    over the step's `timing_s/update_actor` and `timing_s/update_critic`, against one H200's measured
+    790 TFLOP/s. N counts every matmul weight of the transformer (not the input embedding);
+    the actor adds its LM head."""
+    s = G.SHAPES[shape]
+    h, f, layers = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"]
+    kv = h // s["num_attention_heads"] * s["num_key_value_heads"]
+    body = layers * (2 * h * h + 2 * h * kv + 3 * h * f)
+    n_actor, n_critic = body + h * s["vocab_size"], body + h
+    k = 4 if lora else 6
+    out = {"flops_per_token": {"actor": k * n_actor, "critic": k * n_critic}, "peak_flops": G.PEAK_BF16_FLOPS}
+    for role, n, epochs in (("actor", n_actor, cfg.actor.ppo_epochs), ("critic", n_critic, cfg.critic.ppo_epochs)):
+        rs = [r for r in records if r.get("tokens") and r.get(f"update_{role}_s")]
+        if rs:
+            flops = sum(k * n * r["tokens"] * epochs for r in rs)
+            out[f"mfu_{role}"] = flops / sum(r[f"update_{role}_s"] for r in rs) / G.PEAK_BF16_FLOPS
+    return out
+
+
 def free_device() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -176,7 +207,7 @@ def run_in_process(cfg, rounds: int, device: torch.device) -> dict:
             deleted = sum(DELETED)
             stall = parts.get("timing_s/save_checkpoint", 0.0) + parts.get("timing_s/checkpoint_wait", 0.0) - deleted
             rec.add(parts, checkpoint_stall_s=stall, benchmark_delete_s=deleted, writer_busy_after_round=run.writer.busy,
-                    rollout_corr=rollout_corr(run))
+                    rollout_corr=rollout_corr(run), **update_parts(run, cfg))
         t = time.perf_counter()
         final_wait = run.flush()
         flushed = time.perf_counter() - t
@@ -270,7 +301,7 @@ def run_colocated(cfg, rounds: int, device: torch.device) -> dict:
         deleted = sum(DELETED)
         stall = parts.get("timing_s/save_checkpoint", 0.0) + parts.get("timing_s/checkpoint_wait", 0.0) - deleted
         rec.add(parts, checkpoint_stall_s=stall, benchmark_delete_s=deleted, writer_busy_after_round=run.writer.busy,
-                rollout_corr=rollout_corr(run))
+                rollout_corr=rollout_corr(run), **update_parts(run, cfg))
         DELETED.clear()
         rec.start()
 
@@ -358,6 +389,11 @@ def main(argv=None) -> dict:
                 shutil.rmtree(alt, ignore_errors=True)
             else:
                 results[name] = run_colocated(cfg, rounds, device)
+            if name != "staged":
+                results[name]["update_mfu"] = update_mfu(results[name]["per_round"], cfg, shape, a.lora_rank > 0)
+            if device.type == "cuda":
+                results[name]["max_memory_allocated_gb"] = max(
+                    (r.get("max_memory_allocated_gb", 0.0) for r in results[name]["per_round"]), default=0.0)
         except Exception as e:  # the other drivers still run and the error is in the results
             import traceback
 

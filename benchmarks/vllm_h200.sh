@@ -39,10 +39,13 @@ yaml.safe_dump(cfg, open(sys.argv[1], "w"))
 EOF
 }
 case $step in
-  site)
-    cat $UP/site.tar.xz.* > /tmp/site.tar.xz && (cd /tmp && grep site.tar.xz $UP/SHA256SUMS | sha256sum -c) &&
-      mkdir -p $SITE && tar xJf /tmp/site.tar.xz -C $SITE --strip-components=1 && rm /tmp/site.tar.xz &&
-      python3 -c "import vllm, deepspeed, pandera; print(vllm.__version__, deepspeed.__version__)" ;;
+  site)  # site.tar.xz, and site2.tar.xz (MLflow's client for the pyflyte step) where it came
+    for t in site site2; do
+      ls $UP/$t.tar.xz.* > /dev/null 2>&1 || continue
+      cat $UP/$t.tar.xz.* > /tmp/$t.tar.xz && (cd /tmp && grep " $t.tar.xz" $UP/SHA256SUMS | sha256sum -c) &&
+        mkdir -p $SITE && tar xJf /tmp/$t.tar.xz -C $SITE --strip-components=1 && rm /tmp/$t.tar.xz || exit 1
+    done
+    python3 -c "import vllm, deepspeed, pandera; print(vllm.__version__, deepspeed.__version__)" ;;
   gguf)
     mkdir -p /tmp/model && cat $UP/gguf.* > $GGUF && (cd /tmp/model && grep gguf $UP/SHA256SUMS | sha256sum -c) ;;
   smoke)
@@ -65,7 +68,7 @@ case $step in
     timeout 300 python3 benchmarks/rollout_throughput.py --engines vllm,fast --no-diagnostics \
       --out "$out/rollout_vllm_vs_fast_h200.json" 2>&1 | tail -60 > "$out/throughput.log" ;;
   rounds)
-    timeout 560 python3 benchmarks/real_scale.py --rounds 10 --drivers "${3:-in_process}" --rollout vllm \
+    timeout ${ROUNDS_TIMEOUT:-560} python3 benchmarks/real_scale.py --rounds 10 --drivers "${3:-in_process}" --rollout vllm \
       --ckpt-dir /dev/shm/rs --one-checkpoint --out "$out/real_scale_vllm_${3:-in_process}_h200.json" 2>&1 |
       grep -v "INFO\|WARNING" | tail -60 > "$out/rounds_${3:-in_process}.log" ;;
   *) echo "unknown step $step" >&2; exit 2 ;;

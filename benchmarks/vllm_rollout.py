@@ -6,7 +6,7 @@ The mismatch is what a PPO round sees at its first step, when the behaviour poli
 current one: the sampled tokens' log-probs from vLLM against the trainer's own forward
 (`rlhf.trainer.forward.batched_log_probs`, packed rows, the same temperature), with the
 project's default correction (token-level truncated IS at 2.0) and, for the fraction rejected,
-token-level rejection outside [1/2, 2] (verl's `rollout_rs=token` with threshold 2.0).
+token-level rejection outside [1/2, 2] (verl's `rollout_rs=token_k1` with threshold 2.0).
 
     python benchmarks/vllm_rollout.py --model-dir DIR --prompts-file PARQUET --out m.json  # a real model
 """
@@ -89,7 +89,7 @@ def mismatch(model, prompt_ids, response_ids, logprobs, temperature: float, pad_
     mask = batch.response_mask.to(old.device)
     rollout = batch.rollout_log_probs.to(old.device)
     _, m = compute_rollout_correction(old, rollout, mask)
-    _, rs = compute_rollout_correction(old, rollout, mask, rollout_is=None, rollout_rs="token",
+    _, rs = compute_rollout_correction(old, rollout, mask, rollout_is=None, rollout_rs="token_k1",
                                        rollout_rs_threshold=2.0)
     m.update({k: v for k, v in rs.items() if "rollout_rs" in k})
     m["rows"] = len(prompt_ids)

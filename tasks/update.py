@@ -134,7 +134,7 @@ def ppo_update_multinode(cfg: PPOConfig, base_model: FlyteDirectory, checkpoint:
                          scored: Scored, state: RoundState, run_id: str) -> Updated:
     """`ppo_update` as a multi-pod PyTorchJob. Rank 0 writes the checkpoint; under ZeRO >= 1
     every rank also writes its optimizer shard there, so the pods need a shared filesystem
-    for the task's working directory (README, "Flyte")."""
+    for the task's working directory (docs/FLYTE.md)."""
     return _update(cfg, base_model, checkpoint, scored, state, run_id)
 
 

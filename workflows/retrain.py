@@ -8,7 +8,7 @@ version, and moves `champion` to it only when it scores higher; the verdict and 
 are tags of the new version.
 
     pyflyte run workflows/retrain.py ppo_retrain --cfg my.yaml --train_files s3://b/{date}/train.parquet
-    pyflyte register workflows --image ...   # registers `ppo_retrain_nightly` (see README)
+    pyflyte register workflows --image ...   # registers `ppo_retrain_nightly` (see docs/FLYTE.md, "Scheduled retraining")
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf.round import checkpoint as ckpt
+from rlhf.checkpoint import rounds as ckpt
 from tests.test_trainer import TINY, _clean_env, _free_port, tiny_cfg
 
 ROUNDS = 3

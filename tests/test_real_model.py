@@ -118,7 +118,7 @@ def test_one_ppo_round_on_smollm2_changes_weights_with_finite_losses(smollm2_ggu
     from safetensors.torch import load_file
 
     import rlhf.train
-    from rlhf.round import checkpoint as ckpt
+    from rlhf.checkpoint import rounds as ckpt
     from rlhf.config import load_config
 
     cfg = load_config(None, [

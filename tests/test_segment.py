@@ -137,7 +137,7 @@ def test_new_execution_resumes_from_a_named_checkpoint(base_model, tmp_path):
 
     from safetensors.torch import load_file
 
-    from rlhf.round.checkpoint import latest_checkpoint
+    from rlhf.checkpoint.rounds import latest_checkpoint
     from rlhf.train import train
     from workflows.ppo import ppo_pipeline
 

@@ -74,7 +74,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors that name a key, file or row and what to do: shown without a traceback."""
     from rlhf.data.io import DataValidationError
     from rlhf.models.load import ModelLoadError
-    from rlhf.round.checkpoint import CorruptCheckpointError
+    from rlhf.checkpoint.rounds import CorruptCheckpointError
     from rlhf.train.check import CheckFailed
 
     return ConfigError, CheckFailed, DataValidationError, ModelLoadError, CorruptCheckpointError

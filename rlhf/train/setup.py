@@ -8,7 +8,7 @@ validation and checkpoints from here, so the same config builds the same objects
   output directory);
 - trainer: `build_trainer` (models from a checkpoint's safetensors or the base policy) and
   `load_trainer` (that, plus the checkpoint's optimizer state and round state, its files
-  checked against their digests while the trainer is built, `rlhf.round.checkpoint_verify`);
+  checked against their digests while the trainer is built, `rlhf.checkpoint.verify`);
   `load_first_valid` tries the places a run may start from in order and says which file
   failed, or stops naming them all;
 - rollout engine: `make_engine` (on the trainer's module or a policy directory) and
@@ -54,14 +54,14 @@ from rlhf.config.schema import PPOConfig
 from rlhf.config.sizes import Sizes, derive_sizes
 from rlhf.models import lora
 from rlhf.models.load import is_adapter_dir
-from rlhf.round import checkpoint as ckpt
+from rlhf.checkpoint import rounds as ckpt
 from rlhf.round import evaluate as validation
 from rlhf.round import stages
 from rlhf.round.state import RoundState, record_val
-from rlhf.round.checkpoint_verify import next_hint, none_valid, policy_checkpoint, start_verify  # noqa: F401
+from rlhf.checkpoint.verify import next_hint, none_valid, policy_checkpoint, start_verify  # noqa: F401
 from rlhf.trainer import dist as D
 
-log = logging.getLogger("rlhf.round.checkpoint")
+log = logging.getLogger("rlhf.checkpoint")
 
 # -- process ------------------------------------------------------------------------------
 
@@ -137,7 +137,7 @@ def build_trainer(cfg: PPOConfig, sizes: Sizes, base_dir: str, device: torch.dev
 def with_adapters(model, spec: lora.LoraSpec, base_dir: str, saved: Optional[Path]):
     """`model` (the base weights from `base_dir`) with `spec`'s adapters added, and those of
     checkpoint directory `saved` (and its value head) copied in when given."""
-    from rlhf.round.lora_checkpoint import restore_adapters, start_base_digest
+    from rlhf.checkpoint.adapters import restore_adapters, start_base_digest
 
     lora.add_adapters(getattr(model, "backbone", model), spec, base_path=str(Path(base_dir).resolve()))
     if D.world()[0] == 0:

@@ -402,7 +402,7 @@ def save_state(path: Path, tree, digest: Optional[str] = None) -> dict[Path, str
 
 def load_state(path: Path, device: torch.device | str = "cpu"):
     """The nested state `save_state` wrote at `path`, its tensors on `device` (weights-only)."""
-    from rlhf.trainer.safe_checkpoint import load_weights_only  # DeepSpeed's config types allowed
+    from rlhf.checkpoint.engine_state import load_weights_only  # DeepSpeed's config types allowed
 
     skeleton = load_weights_only(str(path), map_location="cpu")
     return join_tensors(skeleton, read_safetensors(data_path(path), device))

@@ -49,7 +49,7 @@ def start_base_digest(base_dir: str) -> Future:
 
 
 def _digests(d: Path, names: list[str]) -> dict[str, str]:
-    from rlhf.round.tensor_files import file_digest, hash_name
+    from rlhf.checkpoint.tensor_files import file_digest, hash_name
 
     algo = hash_name()
     return {n: f"{algo}:{file_digest(d / n, algo)}" for n in names}

@@ -36,7 +36,7 @@ from typing import Callable, Optional
 from rlhf.config.schema import ConfigError
 from rlhf.trainer import dist as D
 
-log = logging.getLogger("rlhf.round.checkpoint")
+log = logging.getLogger("rlhf.checkpoint")
 
 _NAME = re.compile(r"^round_(\d{6})$")
 STATE_FILE = "state.json"
@@ -75,7 +75,7 @@ def why_incomplete(path: Path, checksums: bool = True, part: str = "") -> str:
 
 
 def _why_bad_file(f: Path, name: str, entry, algo: str | None, checksums: bool) -> str:
-    from rlhf.round.tensor_files import file_digest
+    from rlhf.checkpoint.tensor_files import file_digest
 
     size = entry["size"] if isinstance(entry, dict) else entry  # size-only manifests of older versions
     if not f.is_file():

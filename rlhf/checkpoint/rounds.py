@@ -7,8 +7,8 @@ Layout: `<output_dir>/checkpoints/round_000005/` holding `actor/` and `critic/`
 temporary name, sealed with `manifest.json` (every file's size and digest) and renamed
 into place only when complete, so a crash mid-save never leaves a directory that reads as
 valid. Before a checkpoint is used, every file is checked against the manifest
-(`rlhf.round.checkpoint_verify`, whose names this module also gives). Weights holding
-NaN or inf are never checkpointed (`NonFiniteStateError`). `rlhf.round.checkpoint_io` writes
+(`rlhf.checkpoint.verify`, whose names this module also gives). Weights holding
+NaN or inf are never checkpointed (`NonFiniteStateError`). `rlhf.checkpoint.writer` writes
 the files, in a background thread when the driver keeps training meanwhile.
 
 `trainer.save_freq` picks the rounds checkpointed (`is_save_point`) and
@@ -26,13 +26,13 @@ from typing import Callable
 
 import torch
 
-from rlhf.round.checkpoint_verify import (  # noqa: F401  (checking and finding checkpoints, named here too)
+from rlhf.checkpoint.verify import (  # noqa: F401  (checking and finding checkpoints, named here too)
     MANIFEST_FILE, STATE_FILE, CorruptCheckpointError, checkpoint_root, corrupt, is_complete, latest_checkpoint,
     round_checkpoints, round_dir_name, verify, why_incomplete)
 from rlhf.models.lora import has_adapters, lora_scaling, merged_state_dict
-from rlhf.round.lora_checkpoint import adapter_files
+from rlhf.checkpoint.adapters import adapter_files
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("rlhf.checkpoint")
 
 
 def tmp_dir_for(root: Path, round_: int) -> Path:
@@ -43,7 +43,7 @@ def write_manifest(path: Path, digests: dict[str, str] | None = None) -> None:
     """Seal a fully written checkpoint directory: record every file's size and digest,
     atomically. `digests` holds those already computed while writing (relative path ->
     digest); every other file is read and hashed here."""
-    from rlhf.round.checkpoint_io import file_digest, hash_name
+    from rlhf.checkpoint.writer import file_digest, hash_name
 
     algo, digests = hash_name(), digests or {}
     files = {}
@@ -119,7 +119,7 @@ def save(final: Path, trainer, tokenizer, cfg, state, writer=None, extra: dict[s
     state in place calls `writer.wait_copied()` first); without one, it returns once every
     rank's part is written and the directory sealed.
     Raises `NonFiniteStateError` (on every rank, writing nothing) when a weight is NaN or inf."""
-    from rlhf.round.checkpoint_io import SaveJob, run_inline
+    from rlhf.checkpoint.writer import SaveJob, run_inline
     from rlhf.trainer import dist as D
 
     rank, world = D.world()[:2]
@@ -185,7 +185,7 @@ def _seal(tmp: Path, final: Path, digests: dict[str, str], after_seal) -> None:
 
 def _engine_files(engine, save_dir: Path) -> list:
     """DeepSpeed's engine state of this rank, collected (not yet written) as `TensorFile`s."""
-    from rlhf.round.checkpoint_io import TensorFile, capture_engine
+    from rlhf.checkpoint.writer import TensorFile, capture_engine
 
     engine.checkpoint_engine = capture_engine()
     engine.save_checkpoint(str(save_dir), tag=ENGINE_TAG, save_latest=False)
@@ -212,8 +212,8 @@ def hf_model_files(module, state_dict: dict, tokenizer, path: Path, merged: bool
     """A causal LM or a `ValueModel` as `save_pretrained` lays it out: its config and
     tokenizer written now, its (gathered) weights returned as `TensorFile`s to write.
     Tied weights are stored once, under the name `save_pretrained` keeps. A LoRA model is
-    saved as its adapters (`lora_checkpoint`) unless `state_dict` is `merged` already."""
-    from rlhf.round.checkpoint_io import TensorFile
+    saved as its adapters (`rlhf.checkpoint.adapters`) unless `state_dict` is `merged` already."""
+    from rlhf.checkpoint.writer import TensorFile
     from rlhf.models.load import VALUE_CONFIG_FILE, VALUE_HEAD_FILE
 
     if has_adapters(module) and not merged:
@@ -244,7 +244,7 @@ def save_policy(path: Path, actor, tokenizer) -> Path:
     """The actor's current weights alone as `<path>/actor` (a model directory, replaced
     atomically; no optimizer state, no seal): what a rollout engine that reads files
     (vLLM) loads between checkpoints. All ranks must call it."""
-    from rlhf.round.checkpoint_io import TensorFile, run_file_jobs
+    from rlhf.checkpoint.writer import TensorFile, run_file_jobs
     from rlhf.trainer import dist as D
     from rlhf.trainer.engines import full_state_dict
 
@@ -288,7 +288,7 @@ def restore(trainer, path: Path, state=None):
     """Load the DeepSpeed engine state (optimizer, counters) of checkpoint `path` into
     `trainer`, whose modules were built from that checkpoint's safetensors, then the round state (`state`, or the one saved there) into its KL controller
     and skip counter. Returns that state. Engine files are read weights-only (no pickled code)."""
-    from rlhf.round.checkpoint_io import capture_engine, keep_module_weights
+    from rlhf.checkpoint.writer import capture_engine, keep_module_weights
 
     path = Path(path)
     state = state if state is not None else read_state(path)

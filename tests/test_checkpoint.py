@@ -69,7 +69,7 @@ def test_manifest_lists_every_file_with_size_and_digest(two_rounds):
     manifest = json.loads((last / ckpt.MANIFEST_FILE).read_text())
     files = {str(p.relative_to(last)) for p in last.rglob("*") if p.is_file() and p.name != ckpt.MANIFEST_FILE}
     assert set(manifest["files"]) == files and not any(n.startswith(".") for n in files)  # no writer markers
-    from rlhf.checkpoint.writer import file_digest
+    from rlhf.checkpoint.pieces import file_digest
 
     for name, entry in manifest["files"].items():
         assert entry["size"] == (last / name).stat().st_size

@@ -7,9 +7,9 @@ file's digest, verified before any use, found again and pruned.
   it while training goes on, each rank its part, rank 0 sealing the whole;
 - `verify`: the manifest check, and finding the checkpoints a run may start from;
 - `adapters`: LoRA checkpoints (the adapters and a pointer to the base weights);
-- `engine_state`: DeepSpeed's optimizer state, captured instead of written and read back
-  weights-only;
-- `tensor_files`: safetensors files written and read in parallel pieces, hashed as written.
+- `engine_state`: DeepSpeed's engine state read back weights-only (no pickled code runs);
+- `tensor_files`: safetensors files and nested states written and read in parallel pieces,
+  hashed as written; `pieces`: the I/O threads, staging buffers and digests under them.
 
 May import: `rlhf.config`, `rlhf.models`, `rlhf.trainer`, `rlhf.round` (the `RoundState`
 a checkpoint holds). Never tracking or the drivers (`rlhf.train`). Submodules are imported

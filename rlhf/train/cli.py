@@ -20,6 +20,12 @@ from rlhf.config.schema import ConfigError
 from rlhf.config.verl_defaults import defaults_line
 from rlhf.train.inprocess import train
 from rlhf.trainer import dist as D
+from rlhf.checkpoint.rounds import CorruptCheckpointError
+from rlhf.data.io import DataValidationError
+from rlhf.models.load import ModelLoadError
+from rlhf.tracking.progress import quiet_progress_bars
+from rlhf.tracking.results import summary_rows, summary_table, write_summary
+from rlhf.train.check import CheckFailed, check_launch
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,8 +41,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rlhf.train.check import CheckFailed, check_launch
-
     p = _parser()
     args = p.parse_intermixed_args(argv)  # overrides may stand before and after --cfg
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -47,7 +51,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(plan.text())
         return 0
-    from rlhf.tracking.progress import quiet_progress_bars
 
     quiet_progress_bars()
     try:
@@ -55,8 +58,6 @@ def main(argv: list[str] | None = None) -> int:
     except _user_errors() as e:  # found only once the data or model is loaded: still the message alone
         p.exit(2, f"error: {e}\n")
     if D.world()[0] == 0:
-        from rlhf.tracking.results import summary_rows, summary_table, write_summary
-
         if args.summary_json:
             write_summary(args.summary_json, summary)
         print(summary_table(summary_rows(summary, _places(summary))), flush=True)
@@ -72,11 +73,6 @@ def _announce_defaults(cfg) -> None:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors that name a key, file or row and what to do: shown without a traceback."""
-    from rlhf.data.io import DataValidationError
-    from rlhf.models.load import ModelLoadError
-    from rlhf.checkpoint.rounds import CorruptCheckpointError
-    from rlhf.train.check import CheckFailed
-
     return ConfigError, CheckFailed, DataValidationError, ModelLoadError, CorruptCheckpointError
 
 

@@ -238,7 +238,7 @@ def test_save_freq_value_is_checked():
     assert load_config(None, ["trainer.save_freq=-1"]).trainer.save_freq == -1
 
 
-def test_in_process_driver_saves_at_save_freq_and_keeps_max_ckpt_to_keep(tmp_path, base_model):  # noqa: F811
+def test_in_process_driver_saves_at_save_freq_and_keeps_max_ckpt_to_keep(tmp_path, base_model):  # noqa: F811 (fixture)
     """5 rounds, save_freq 2, keep 2: checkpoints after rounds 2, 4 and 5 (the last); 4 and 5 stay."""
     from rlhf.train import Run
 
@@ -261,7 +261,7 @@ def test_in_process_driver_saves_at_save_freq_and_keeps_max_ckpt_to_keep(tmp_pat
     assert not list(ckpt.checkpoint_root(tmp_path).glob(".tmp_*"))
 
 
-def test_staged_driver_prunes_its_handoff_checkpoints(tmp_path, base_model):  # noqa: F811
+def test_staged_driver_prunes_its_handoff_checkpoints(tmp_path, base_model):  # noqa: F811 (fixture)
     """The stateless update writes every round (the next one starts from it); under one
     out_dir the newest stays and, of the save points (save_freq 2), the newest one; the
     round's profiler trace lands inside the checkpoint it returns."""

@@ -12,6 +12,7 @@ plain streaming digests that earlier manifests name.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import queue
 import threading
@@ -125,12 +126,7 @@ TREE = "/64MiB"  # suffix of a tree digest's name
 def hash_name() -> str:
     """The digest new manifests use: a tree over `CHUNK`-byte pieces of xxh3_128 (about 8-14
     GB/s on one core) where xxhash is installed, else of blake2b."""
-    try:
-        import xxhash  # noqa: F401
-
-        return "xxh3_128" + TREE
-    except ImportError:
-        return "blake2b" + TREE
+    return ("xxh3_128" if importlib.util.find_spec("xxhash") is not None else "blake2b") + TREE
 
 
 def _hasher(name: str):

@@ -59,7 +59,7 @@ from rlhf.checkpoint import rounds as ckpt
 from rlhf.round import evaluate as validation
 from rlhf.round import stages
 from rlhf.round.state import RoundState, record_val
-from rlhf.checkpoint.verify import next_hint, none_valid, policy_checkpoint, start_verify  # noqa: F401
+from rlhf.checkpoint.verify import next_hint, none_valid, policy_checkpoint, start_verify
 from rlhf.trainer import dist as D
 from rlhf.checkpoint.adapters import restore_adapters, start_base_digest
 from rlhf.models.gguf import resolve_model_path

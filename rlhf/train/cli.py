@@ -25,7 +25,6 @@ from rlhf.data.io import DataValidationError
 from rlhf.models.load import ModelLoadError
 from rlhf.tracking.progress import quiet_progress_bars
 from rlhf.tracking.results import summary_rows, summary_table, write_summary
-from rlhf.train.check import CheckFailed, check_launch
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,6 +40,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # rlhf.train.check also runs as `python -m rlhf.train.check`: the package (which imports this
+    # module) must not have loaded it before runpy does
+    from rlhf.train.check import CheckFailed, check_launch
+
     p = _parser()
     args = p.parse_intermixed_args(argv)  # overrides may stand before and after --cfg
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -73,6 +76,8 @@ def _announce_defaults(cfg) -> None:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors that name a key, file or row and what to do: shown without a traceback."""
+    from rlhf.train.check import CheckFailed  # not at module level: see `main`
+
     return ConfigError, CheckFailed, DataValidationError, ModelLoadError, CorruptCheckpointError
 
 

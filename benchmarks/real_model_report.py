@@ -208,7 +208,7 @@ def seeds_markdown(agg: dict) -> str:
                      f" | {_fmt(L['end'])} | {L['end_train_s']['mean'] or 0:.0f} | {L['end_rounds']['mean'] or 0:.1f}"
                      f" | {_fmt(L['heldout']['own'])} | {_fmt(L['heldout']['other'])} |")
     sh = agg["start_heldout"]
-    lines.append(f"| start (SFT) | " + " | ".join("" for _ in times) +
+    lines.append("| start (SFT) | " + " | ".join("" for _ in times) +
                  f" | {_fmt(agg['lanes'].get('ppo', next(iter(agg['lanes'].values())))['start'])} | 0 | 0 | "
                  f"{_fmt(sh['own'])} | {_fmt(sh['other'])} |")
     if agg["ppo_lead"]:

@@ -172,7 +172,7 @@ def one_checkpoint_on_disk() -> None:
     prunes it in the writer's thread.) The time this takes on the training thread is the
     benchmark's, not the driver's: it is recorded per round (`benchmark_delete_s`) and left
     out of the checkpoint stall."""
-    from rlhf.round import checkpoint as ckpt
+    from rlhf.checkpoint import rounds as ckpt
 
     save = ckpt.save
 

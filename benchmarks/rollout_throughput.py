@@ -202,7 +202,7 @@ def decode_breakdown(model, prompt_lens: list[int], a, device) -> dict:
             st = _Step(**{**step.__dict__, "group": group})
             got = _decode_flash(q, kc, vc, st, scale)
             out[f"{name}_max_abs_diff_vs_sdpa"] = float((got.float() - ref.float()).abs().max())
-            out["attention_ms_all_layers"][name] = layers * _device_ms(lambda: _decode_flash(q, kc, vc, st, scale),
+            out["attention_ms_all_layers"][name] = layers * _device_ms(lambda st=st: _decode_flash(q, kc, vc, st, scale),
                                                                        device)
     from rlhf.rollout.decode_attention import triton_decode
     from rlhf.rollout.triton_support import triton_available
@@ -214,7 +214,7 @@ def decode_breakdown(model, prompt_lens: list[int], a, device) -> dict:
             lambda: triton_decode(q, kc, vc, used, max_len, scale), device)
     kv_bytes = 2 * hkv * d * kc.element_size() * float(used.sum()) * layers
     out["attention_kv_bytes_bound_ms"] = kv_bytes / G.COPY_BANDWIDTH * 1e3
-    del kc, vc
+    kc = vc = None  # the caches' memory goes back before the sampling timings
     logits = torch.randn(rows, cfg.vocab_size, generator=g, device=device, dtype=dtype)
     params = SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=1)
     out["sampling_ms"] = {"sample_next": _device_ms(lambda: sample_next(logits, params, g), device)}

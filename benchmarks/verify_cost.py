@@ -40,7 +40,7 @@ def overrides(out: Path, hidden: int, layers: int, rounds: int, device: str = "c
 
 
 def measure(hidden: int, layers: int, workdir: Path, device: str = "cpu") -> dict:
-    from rlhf.round import checkpoint as ckpt
+    from rlhf.checkpoint import rounds as ckpt
     from rlhf.train import Run, train
 
     out = workdir / "run"

@@ -1,7 +1,7 @@
 """How fast the checkpoint writer puts tensors into files, by I/O thread count.
 
 Writes `--files` safetensors files of `--gib` GiB each (bf16 tensors on the GPU, or the
-host without one) with `rlhf.round.tensor_files.write_safetensors`, all files at once as a
+host without one) with `rlhf.checkpoint.tensor_files.write_safetensors`, all files at once as a
 checkpoint save does, for each thread count, into a fresh folder under `--dir`; prints and
 writes GB/s. The first pass also pays for memory the machine has not yet handed out, so
 the order is repeated.
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlhf.round import tensor_files as tf  # noqa: E402
+from rlhf.checkpoint import pieces, tensor_files as tf  # noqa: E402
 
 
 def write_all(root: Path, tensors: list[dict]) -> float:
@@ -54,7 +54,7 @@ def main() -> None:
     rows = []
     for rep in range(2):
         for k in a.threads:
-            tf.IO_THREADS, tf._POOL = k, None
+            pieces.IO_THREADS, pieces._POOL = k, None
             root = Path(a.dir) / f"r{rep}_t{k}"
             s = write_all(root, tensors)
             rows.append({"pass": rep, "threads": k, "seconds": s, "gb_per_s": total / s / 1e9})

@@ -26,6 +26,8 @@ from sweeps.confirm import DEFAULT_LABEL, ConfirmRow, ConfirmRun, ConfirmSpec, c
 from sweeps.objective import check_objective, convergence_metrics, objective, pareto_objectives, val_curve
 from sweeps.space import ParamSpec, apply, check_space, default_space
 from sweeps.study import StudySpec, ask_batch, tell_batch
+from rlhf.tracking.buffer import BufferedMLflowSink
+from rlhf.tracking.make import make_sink
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +251,6 @@ def open_trial_run(p: Planned, parent_run_id: str, study_name: str) -> str:
     """A nested MLflow run for a trial (its whole config as params), or "" without a parent."""
     if not parent_run_id or p.cfg is None:
         return ""
-    from rlhf.tracking.make import make_sink
 
     sink = make_sink(["mlflow"], p.cfg, run_name=f"{study_name} trial {p.number}", parent_run_id=parent_run_id)
     sink.set_tags({"sweep.study": study_name, "sweep.trial": p.number, "sweep.default": p.is_default,
@@ -261,7 +262,6 @@ def open_confirm_run(run: ConfirmRun, cfg: PPOConfig, parent_run_id: str, study_
     """A nested MLflow run for one confirm re-run, or "" without a parent."""
     if not parent_run_id:
         return ""
-    from rlhf.tracking.make import make_sink
 
     sink = make_sink(["mlflow"], cfg, run_name=f"{study_name} confirm {run.label} seed {run.seed}",
                      parent_run_id=parent_run_id)
@@ -286,8 +286,6 @@ def close_trial_run(cfg: PPOConfig, run_id: str, status: str, values: list[float
 def mlflow_sink(cfg: PPOConfig, **run):
     """The engine's MLflow sink for a sweep run (`run_id` resumes one): buffered under
     `trainer.output_dir` while the server does not answer, so the sweep never waits on it."""
-    from rlhf.tracking.buffer import BufferedMLflowSink
-
     t = cfg.trainer
     return BufferedMLflowSink(os.path.join(t.output_dir, "mlflow_buffer"), t.mlflow_tracking_uri, t.project_name,
                               output_dir=t.output_dir, **run)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.tracking.study import StudySpec, TrialReporter, pruner_for  # noqa: F401 (part of the sweep API)
+from sweeps.space import suggest
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +85,6 @@ def ask_batch(study, space, k: int) -> list[tuple[int, dict[str, Any]]]:
     """Ask `k` trials; returns (trial number, sampled params) for each. Trials whose worker
     stopped sending heartbeats are failed first, so their retries (same params) come first."""
     import optuna
-
-    from sweeps.space import suggest
 
     out = []
     with warnings.catch_warnings():

@@ -111,7 +111,7 @@ def _local(directory: FlyteDirectory, policy: bool) -> str:
 def _fetch_manifest(ctx, src: str, into: Path) -> None:
     """The manifest of the checkpoint a policy URI lies in, into `into`; none when the policy is
     not inside a checkpoint (a base model)."""
-    from rlhf.round.checkpoint import MANIFEST_FILE
+    from rlhf.checkpoint.rounds import MANIFEST_FILE
 
     parent = src.rstrip("/").rsplit("/", 1)[0]
     try:

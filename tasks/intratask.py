@@ -19,7 +19,7 @@ from typing import Optional
 from flytekit import current_context
 from flytekit.core.context_manager import FlyteContextManager
 
-from rlhf.round import checkpoint as ckpt
+from rlhf.checkpoint import rounds as ckpt
 
 log = logging.getLogger(__name__)
 POINTER = "latest.json"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from datetime import datetime
 from pathlib import Path
-from typing import NamedTuple, Optional, Union
+from typing import Optional, Union
 
 import pandas as pd
 from flytekit import Deck, task
@@ -124,7 +124,7 @@ def resume_point(cfg: PPOConfig) -> Optional[tuple[str, RoundState]]:
         return None
     from flytekit import FlyteContextManager
 
-    from rlhf.round import checkpoint as ckpt
+    from rlhf.checkpoint import rounds as ckpt
 
     fa = FlyteContextManager.current_context().file_access
     local = Path(fa.get_random_local_directory())

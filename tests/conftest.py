@@ -151,7 +151,7 @@ def word_problem_files(tmp_path_factory):
 def two_rounds(tmp_path_factory):
     """A finished two-round in-process run (the tiny model, `tests/test_trainer.py`'s TINY) with a
     checkpoint after each round; its base policy is `<out>/base_model`. Shared: copy before changing."""
-    from rlhf.round import checkpoint as ckpt
+    from rlhf.checkpoint import rounds as ckpt
     from rlhf.train import train
     from test_pipeline import MOVING
     from test_trainer import tiny_cfg

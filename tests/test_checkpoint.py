@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf.round import checkpoint as ckpt
-from rlhf.round.checkpoint_io import CheckpointWriter
+from rlhf.checkpoint import rounds as ckpt
+from rlhf.checkpoint.writer import CheckpointWriter
 from test_pipeline import MOVING, base_model, cfg_for  # noqa: F401  (base_model is a fixture)
 from test_trainer import tiny_cfg
 
@@ -52,7 +52,7 @@ def test_a_file_changed_in_place_at_the_same_size_is_rejected_and_resume_falls_b
     name = str(f.relative_to(last))
     with pytest.raises(ckpt.CorruptCheckpointError, match=rf"{name} does not match its .* digest"):
         ckpt.verify(last)
-    with caplog.at_level(logging.WARNING, logger="rlhf.round.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="rlhf.checkpoint"):
         assert ckpt.latest_checkpoint(out) == prev
     assert str(last) in caplog.text and name in caplog.text and "contents changed" in caplog.text
     r = Run(tiny_cfg(out, "trainer.total_rounds=2", *MOVING))
@@ -69,7 +69,7 @@ def test_manifest_lists_every_file_with_size_and_digest(two_rounds):
     manifest = json.loads((last / ckpt.MANIFEST_FILE).read_text())
     files = {str(p.relative_to(last)) for p in last.rglob("*") if p.is_file() and p.name != ckpt.MANIFEST_FILE}
     assert set(manifest["files"]) == files and not any(n.startswith(".") for n in files)  # no writer markers
-    from rlhf.round.checkpoint_io import file_digest
+    from rlhf.checkpoint.pieces import file_digest
 
     for name, entry in manifest["files"].items():
         assert entry["size"] == (last / name).stat().st_size
@@ -78,7 +78,7 @@ def test_manifest_lists_every_file_with_size_and_digest(two_rounds):
 
 def test_no_weight_is_stored_twice(two_rounds):
     """The safetensors hold the weights; DeepSpeed's model-states file holds none."""
-    from rlhf.trainer.safe_checkpoint import load_weights_only
+    from rlhf.checkpoint.engine_state import load_weights_only
 
     last = ckpt.latest_checkpoint(two_rounds)
     for name in ("actor", "critic"):
@@ -140,7 +140,7 @@ def test_saved_models_load_as_save_pretrained_wrote_them(live_run, tmp_path):
 def test_a_writer_that_dies_leaves_no_sealed_checkpoint(live_run, tmp_path, monkeypatch, caplog):
     """The writer thread fails after its first file: the error reaches the training thread,
     nothing is renamed into place, and resume takes the previous checkpoint."""
-    import rlhf.round.checkpoint_io as io
+    import rlhf.checkpoint.writer as io
 
     r = live_run
     out = tmp_path / "out"
@@ -164,7 +164,7 @@ def test_a_writer_that_dies_leaves_no_sealed_checkpoint(live_run, tmp_path, monk
     tmp = final.parent / f".tmp_{final.name}"
     assert not final.exists() and tmp.is_dir() and not (tmp / ckpt.MANIFEST_FILE).exists()
     assert (tmp / ".failed.rank0").is_file() and written
-    with caplog.at_level(logging.WARNING, logger="rlhf.round.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="rlhf.checkpoint"):
         assert ckpt.latest_checkpoint(out).name == "round_000002"
     assert "half-written" in caplog.text
 
@@ -174,7 +174,7 @@ def test_an_optimizer_step_waits_for_the_copy_of_the_state(live_run, tmp_path, m
     those at save time although the step changed them right after `save` returned."""
     import threading
 
-    import rlhf.round.checkpoint_io as io
+    import rlhf.checkpoint.writer as io
 
     r = live_run
     gate = threading.Event()
@@ -238,7 +238,7 @@ def test_save_freq_value_is_checked():
     assert load_config(None, ["trainer.save_freq=-1"]).trainer.save_freq == -1
 
 
-def test_in_process_driver_saves_at_save_freq_and_keeps_max_ckpt_to_keep(tmp_path, base_model):  # noqa: F811
+def test_in_process_driver_saves_at_save_freq_and_keeps_max_ckpt_to_keep(tmp_path, base_model):  # noqa: F811 (fixture)
     """5 rounds, save_freq 2, keep 2: checkpoints after rounds 2, 4 and 5 (the last); 4 and 5 stay."""
     from rlhf.train import Run
 
@@ -261,7 +261,7 @@ def test_in_process_driver_saves_at_save_freq_and_keeps_max_ckpt_to_keep(tmp_pat
     assert not list(ckpt.checkpoint_root(tmp_path).glob(".tmp_*"))
 
 
-def test_staged_driver_prunes_its_handoff_checkpoints(tmp_path, base_model):  # noqa: F811
+def test_staged_driver_prunes_its_handoff_checkpoints(tmp_path, base_model):  # noqa: F811 (fixture)
     """The stateless update writes every round (the next one starts from it); under one
     out_dir the newest stays and, of the save points (save_freq 2), the newest one; the
     round's profiler trace lands inside the checkpoint it returns."""

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rlhf.round import checkpoint as ckpt
-from rlhf.round.tensor_files import read_header
+from rlhf.checkpoint import rounds as ckpt
+from rlhf.checkpoint.tensor_files import read_header
 from test_pipeline import MOVING, _no_flyte_cache  # noqa: F401 (fixture)
 from test_trainer import tiny_cfg
 
@@ -118,7 +118,7 @@ def test_a_retried_segment_whose_intratask_checkpoint_is_changed_starts_from_its
     cfg = flyte_cfg(two_rounds, tmp_path / "out")
     data = P.prepare_dataset(cfg.data)
     state = ckpt.read_state(given)
-    with caplog.at_level(logging.WARNING, logger="rlhf.round.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="rlhf.checkpoint"):
         run = Run.start(cfg, str(two_rounds / "base_model"), data.train, data.val, given, state,
                         tmp_path / "segment", resume=resume)
     try:
@@ -145,7 +145,7 @@ def test_every_checkpoint_bad_stops_the_run_naming_the_files(two_rounds, tmp_pat
     finite_noise(root / "round_000002" / WEIGHTS)
     random_bytes(root / "round_000001" / WEIGHTS)
     before = {p: p.stat().st_mtime_ns for p in root.rglob("*")}
-    with caplog.at_level(logging.WARNING, logger="rlhf.round.checkpoint"), pytest.raises(SystemExit) as stop:
+    with caplog.at_level(logging.WARNING, logger="rlhf.checkpoint"), pytest.raises(SystemExit) as stop:
         main(_overrides(out))
     assert stop.value.code == 2
     err = capsys.readouterr().err

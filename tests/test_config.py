@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -62,7 +63,7 @@ def test_bad_values_name_the_key():
 
 def test_frozen_and_replace_leaves_original():
     cfg = PPOConfig()
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.actor.clip_ratio = 0.5  # type: ignore[misc]
     new = replace(cfg, ["actor.clip_ratio=0.25"])
     assert new.actor.clip_ratio == 0.25 and cfg.actor.clip_ratio == 0.2
@@ -91,7 +92,7 @@ def test_derive_sizes_errors(overrides, world, match):
 
 def test_config_choices_resolve_in_registries():
     from rlhf import algos
-    from rlhf.config import _CHOICES
+    from rlhf.config.schema import _CHOICES
 
     for kind in _CHOICES["algorithm.kl_penalty"]:
         assert kind in algos.KL_ESTIMATORS

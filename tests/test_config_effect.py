@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from rlhf.train import setup as P
-from rlhf.round import stages
 from rlhf.round.evaluate import evaluate
 from rlhf.config import derive_sizes, load_config
 from rlhf.rollout.base import RolloutBatch

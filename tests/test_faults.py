@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf.round import checkpoint as ckpt
+from rlhf.checkpoint import rounds as ckpt
 from rlhf.round import stages
 from rlhf.trainer.faults import NonFiniteStateError, RecoverableOOMError
 from tests.test_trainer import tiny_cfg
@@ -120,7 +120,7 @@ def test_checkpoint_of_non_finite_weights_is_refused(run, caplog):
     with torch.no_grad():
         p[0, 0] = float("inf")
     try:
-        with caplog.at_level(logging.ERROR, logger="rlhf.round.checkpoint"), pytest.raises(NonFiniteStateError) as e:
+        with caplog.at_level(logging.ERROR, logger="rlhf.checkpoint"), pytest.raises(NonFiniteStateError) as e:
             run.save()
     finally:
         with torch.no_grad():
@@ -212,7 +212,7 @@ def test_half_written_checkpoint_is_never_read(run, tmp_path, caplog, damage):
         bad = last.parent / f".tmp_{last.name}"
         last.rename(bad)
         (bad / ckpt.MANIFEST_FILE).unlink()
-    with caplog.at_level(logging.WARNING, logger="rlhf.round.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="rlhf.checkpoint"):
         assert ckpt.latest_checkpoint(tmp_path / "out") == prev
     assert str(bad) in caplog.text
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf.round import checkpoint as ckpt
+from rlhf.checkpoint import rounds as ckpt
 from tests.test_trainer import TINY, _clean_env, _free_port, tiny_cfg
 
 ROUNDS = 3
@@ -84,7 +84,7 @@ def _finish(proc: subprocess.Popen, log: Path, timeout: float = 600) -> int:
         return proc.wait(timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError(f"{proc.args[:4]} hung; log tail:\n{log.read_text(errors='replace')[-3000:]}")
+        raise AssertionError(f"{proc.args[:4]} hung; log tail:\n{log.read_text(errors='replace')[-3000:]}") from None
 
 
 def _summary(out: Path) -> dict:

@@ -13,7 +13,7 @@ import torch
 from rlhf.config.load import load_config
 from rlhf.config.schema import ConfigError
 from rlhf.models import lora
-from rlhf.round import checkpoint as ckpt
+from rlhf.checkpoint import rounds as ckpt
 from test_trainer import tiny_cfg
 
 pytest.importorskip("peft")
@@ -201,7 +201,7 @@ def test_resume_from_the_first_round_ends_with_the_same_adapters(lora_run, tmp_p
 def test_resume_refuses_adapters_of_another_base(lora_run, tmp_path):
     import json
 
-    from rlhf.round.lora_checkpoint import check_base
+    from rlhf.checkpoint.adapters import check_base
 
     out = lora_run[0]
     actor = ckpt.latest_checkpoint(out) / "actor"

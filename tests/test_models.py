@@ -1,7 +1,6 @@
 """Tokenizer, tiny model, loaders, critic, atomic save, frozen reference."""
 
 import os
-import string
 
 import pytest
 import torch
@@ -11,10 +10,10 @@ from hypothesis import strategies as st
 from rlhf.config import TinyModelConfig
 from rlhf.models.load import (ModelLoadError, ValueModel, frozen_reference, load_causal_lm, load_tokenizer,
                               load_weights_into, save_model_atomic)
-from rlhf.models.tiny import build_tiny_model, count_parameters
+from rlhf.models.tiny import count_parameters
 from rlhf.models.tokenizer import build_char_tokenizer
 
-from tests.tiny import SMALL, small_model
+from tests.tiny import small_model
 PRINTABLE = "".join(chr(c) for c in range(32, 127)) + "\n"
 
 

@@ -203,7 +203,7 @@ def test_offline_flyte_workflow_matches_the_in_process_driver(tmp_path, stored, 
                       rollout_files=stored["dir"])
     assert out.state.global_step == summary["global_steps"] == 1
     assert summary["val_history"] == [] and out.state.val_history == []  # no validation anywhere
-    from rlhf.round.checkpoint import latest_checkpoint
+    from rlhf.checkpoint.rounds import latest_checkpoint
     from rlhf.round.state import RoundState
 
     loop_state = RoundState.from_json((latest_checkpoint(tmp_path / "loop") / "state.json").read_text())

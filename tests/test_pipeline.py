@@ -131,7 +131,7 @@ def test_in_process_staged_and_colocated_give_the_same_rounds(base_model, tmp_pa
     segments, a segment boundary, intratask checkpoints) on one config and seed."""
     from safetensors.torch import load_file
 
-    from rlhf.round.checkpoint import latest_checkpoint
+    from rlhf.checkpoint.rounds import latest_checkpoint
     from rlhf.train import train
     from workflows.ppo import ppo_pipeline
 

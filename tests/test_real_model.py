@@ -84,7 +84,7 @@ def test_sft_masks_the_chat_prompt_with_the_bpe_tokenizer(smollm2, test_rows):
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     losses = []
-    for row, (ids, labels) in enumerate(examples):
+    for row, (ids, _labels) in enumerate(examples):
         n = len(encode_prompts(prompts[row:row + 1], tok, "chat")[0])
         logp = torch.log_softmax(logits[row, n - 1:len(ids) - 1].float(), -1)
         losses.append(-logp.gather(-1, torch.tensor(ids[n:])[:, None]).squeeze(-1))
@@ -118,7 +118,7 @@ def test_one_ppo_round_on_smollm2_changes_weights_with_finite_losses(smollm2_ggu
     from safetensors.torch import load_file
 
     import rlhf.train
-    from rlhf.round import checkpoint as ckpt
+    from rlhf.checkpoint import rounds as ckpt
     from rlhf.config import load_config
 
     cfg = load_config(None, [

@@ -3,15 +3,13 @@
 import pytest
 import torch
 
-from rlhf.config import RolloutConfig, SFTConfig, TinyModelConfig
+from rlhf.config import RolloutConfig, SFTConfig
 from rlhf.trainer.sft import sft_warm_start
-from rlhf.models.tiny import build_tiny_model
-from rlhf.models.tokenizer import build_char_tokenizer
 from rlhf.rollout import ENGINES, make_engine
 from rlhf.rollout.base import RolloutEngine, SamplingParams
 from rlhf.rollout.hf import HFRolloutEngine, filter_logits, plan_batches
 
-from tests.tiny import SMALL, small_model
+from tests.tiny import small_model
 PROMPTS = ["1+2=", "37+45=", "9+9=", "12+3=", "5+60=", "1+1=", "88+7="]
 
 

@@ -22,7 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def _vllm_importable() -> bool:
     try:
-        import vllm  # noqa: F401
+        import vllm  # noqa: F401  (imported only to see that it imports)
     except ImportError:
         return False
     return True

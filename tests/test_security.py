@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from rlhf.round import checkpoint as ckpt
+from rlhf.checkpoint import rounds as ckpt
 from rlhf.config import ConfigError, load_config
 from rlhf.data.io import DataValidationError, read_prompts
 from rlhf.models.load import ModelLoadError, load_causal_lm, load_tokenizer
@@ -180,7 +180,7 @@ def test_engine_state_is_read_weights_only_and_pickled_code_is_refused(secret_ru
     from rlhf.train import setup as P
     from rlhf.config import derive_sizes
     from rlhf.trainer import dist as D
-    from rlhf.trainer.safe_checkpoint import UnsafeCheckpointError
+    from rlhf.checkpoint.engine_state import UnsafeCheckpointError
 
     D.init_distributed(torch.device("cpu"))  # a one-rank gloo group, as the in-process driver makes
     good = ckpt.latest_checkpoint(secret_run["out"])

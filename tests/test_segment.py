@@ -49,7 +49,8 @@ def _attempt(tmp_path: Path, name: str, src: Path | None, inputs: dict):
         return ppo_segment.execute(**inputs), dest
 
 
-def test_retried_segment_resumes_from_its_intratask_checkpoint(base_model, tmp_path, monkeypatch):
+def test_retried_segment_resumes_from_its_intratask_checkpoint(
+        base_model, tmp_path, monkeypatch):  # noqa: F811 (the fixture imported above)
     """Attempt 1 saves round 2 and dies in round 3; attempt 2 restores round 2 and dies before
     saving (leaving a pointer); attempt 3 follows it and runs rounds 3-5 only. The result is
     the uninterrupted segment's, and each checkpoint location holds one checkpoint."""
@@ -130,14 +131,14 @@ def test_thousand_rounds_through_local_flyte_execution(tmp_path):
 
 
 @pytest.mark.slow
-def test_new_execution_resumes_from_a_named_checkpoint(base_model, tmp_path):
+def test_new_execution_resumes_from_a_named_checkpoint(base_model, tmp_path):  # noqa: F811 (fixture)
     """`trainer.resume=<checkpoint>`: a Flyte execution picks up where an in-process run left
     off (weights, optimizer state, round state) and gives the round that run would give next."""
     import shutil
 
     from safetensors.torch import load_file
 
-    from rlhf.round.checkpoint import latest_checkpoint
+    from rlhf.checkpoint.rounds import latest_checkpoint
     from rlhf.train import train
     from workflows.ppo import ppo_pipeline
 

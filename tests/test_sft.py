@@ -6,13 +6,11 @@ import math
 import pytest
 import torch
 
-from rlhf.config import SFTConfig, TinyModelConfig
+from rlhf.config import SFTConfig
 from rlhf.trainer.sft import (IGNORE, build_sft_example, collate, cpu_threads, lr_at, probe_accuracy, sft_loss,
                              sft_warm_start, tokenize_pairs)
-from rlhf.models.tiny import build_tiny_model
-from rlhf.models.tokenizer import build_char_tokenizer
 
-from tests.tiny import SMALL, small_model
+from tests.tiny import small_model
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -79,8 +79,7 @@ def _study_with_trials():
     base = PPOConfig()
     default = {"algorithm.kl_ctrl.kl_coef": base.algorithm.kl_ctrl.kl_coef, "actor.clip_ratio": 0.2,
                "actor.entropy_coeff": 0.0}
-    for number, (value, clip, attrs) in enumerate([(0.9, 0.2, {DEFAULT_ATTR: True}), (0.5, 0.11, {}),
-                                                   (0.7, 0.12, {}), (0.6, 0.13, {})]):
+    for value, clip, attrs in [(0.9, 0.2, {DEFAULT_ATTR: True}), (0.5, 0.11, {}), (0.7, 0.12, {}), (0.6, 0.13, {})]:
         params = {**default, "actor.clip_ratio": clip}
         study.add_trial(optuna.trial.create_trial(params=params, distributions=dists, value=value, user_attrs=attrs))
     study.add_trial(optuna.trial.create_trial(params={**default, "actor.clip_ratio": 0.29}, distributions=dists,

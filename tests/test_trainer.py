@@ -124,7 +124,7 @@ def test_adaptive_kl_controller_follows_kl(tmp_path):
 def _final_actor(out: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    from rlhf.round.checkpoint import latest_checkpoint
+    from rlhf.checkpoint.rounds import latest_checkpoint
 
     last = latest_checkpoint(out)
     return load_file(str(last / "actor" / "model.safetensors"))
@@ -150,7 +150,7 @@ def test_resume_matches_uninterrupted_run(tmp_path):
 
 
 def test_half_written_checkpoint_is_ignored(tmp_path):
-    from rlhf.round.checkpoint import latest_checkpoint, write_manifest
+    from rlhf.checkpoint.rounds import latest_checkpoint, write_manifest
 
     root = tmp_path / "checkpoints"
     good = root / "round_000001"

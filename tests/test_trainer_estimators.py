@@ -10,7 +10,6 @@ import dataclasses
 import pytest
 import torch
 
-from rlhf.algos import kl_penalty
 from rlhf.config import RolloutCorrectionConfig, derive_sizes, load_config
 from rlhf.trainer import dist as D
 from rlhf.trainer import forward as F

@@ -15,7 +15,7 @@ from rlhf.config import load_config
 from rlhf.data.arithmetic import make_arithmetic
 from rlhf.data.io import write_table_atomic
 from rlhf.data.sampling import PromptSampler
-from rlhf.round import checkpoint as ckpt
+from rlhf.checkpoint import rounds as ckpt
 from rlhf.round import rules, stages
 from rlhf.round.state import RoundState
 

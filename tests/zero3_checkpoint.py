@@ -35,9 +35,9 @@ def main(out: str, stage: int = 3) -> None:
     from dp_update import scored_buffer
     from safetensors.torch import load_file
 
-    from rlhf.round import checkpoint as ckpt
+    from rlhf.checkpoint import rounds as ckpt
     from rlhf.round import stages
-    from rlhf.round.checkpoint_io import CheckpointWriter
+    from rlhf.checkpoint.writer import CheckpointWriter
     from rlhf.config import derive_sizes, load_config
     from rlhf.trainer.default_policy import build_tiny_policy
     from rlhf.models.load import ValueModel, load_causal_lm

@@ -34,7 +34,6 @@ from rlhf.config.checks import GROUP_ESTIMATORS, validate
 from rlhf.config.correction import ROLLOUT_CORRECTION_PRESETS, correction_settings
 from rlhf.config.load import from_dict, load_config, parse_override, replace, save_config
 from rlhf.config.schema import (
-    _CHOICES,
     ActorConfig,
     AlgorithmConfig,
     ConfigError,

@@ -15,6 +15,8 @@ from dataclasses import fields, is_dataclass
 from typing import Any, get_args, get_origin
 
 from rlhf.config.schema import ConfigError, PPOConfig, _hint, _hints, _key_names
+from rlhf.config.verl_defaults import resolve_defaults
+from rlhf.config.verl_keys import leaf_keys, translate_keys
 
 
 def _list_item_class(tp: Any) -> type | None:
@@ -105,9 +107,6 @@ def launch_tree(data: Any) -> Any:
     the defaults chosen (verl 0.9.1's for the keys left unset when a verl name is used, as
     `load_config` chooses them) and a dataset path given as one string made a list of one (the
     decoders would read a string as a list of characters)."""
-    from rlhf.config.verl_defaults import resolve_defaults
-    from rlhf.config.verl_keys import leaf_keys, translate_keys
-
     if not isinstance(data, dict):
         return data
     tree, verl = translate_keys(data)

@@ -23,6 +23,8 @@ from rlhf.config.checks import validate
 from rlhf.config.correction import correction_settings
 from rlhf.config.ranges import check_ranges, warn_repeated
 from rlhf.config.schema import ConfigError, PPOConfig, _all_keys, _hints, _key_names, _unknown, flatten, to_dict
+from rlhf.config.verl_defaults import resolve_defaults
+from rlhf.config.verl_keys import is_verl_key, leaf_keys, translate_keys, translate_override
 
 # libyaml's loader and dumper when PyYAML has them (6x faster), with the same safe types.
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -186,9 +188,6 @@ def from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> PPOCon
     """Build and validate a config from a nested mapping plus dotted overrides. verl's key
     names are translated; when any is used (in the mapping or the overrides), the keys left
     unset take verl 0.9.1's defaults (`rlhf.config.verl_defaults`)."""
-    from rlhf.config.verl_defaults import resolve_defaults
-    from rlhf.config.verl_keys import is_verl_key, leaf_keys, translate_keys, translate_override
-
     plain = _plain(data or {}, "", (), [0])  # a deep copy of plain data
     tree, verl = translate_keys(plain)
     given = leaf_keys(plain)

@@ -34,8 +34,8 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-from rlhf.models.load import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, LoraSetupError,  # noqa: F401
-                              is_adapter_dir, read_adapter_config)
+from rlhf.models.load import (  # noqa: F401  (read from here too)
+    ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, LoraSetupError, is_adapter_dir, read_adapter_config)
 
 ADAPTER_NAME = "default"
 _LORA_KEY = re.compile(rf"\.lora_(A|B)\.{ADAPTER_NAME}\.weight$")
@@ -93,7 +93,7 @@ def peft_targets(spec: LoraSpec):
 
 def require_peft() -> None:
     try:
-        import peft  # noqa: F401
+        import peft  # noqa: F401  (imported only to see that it is installed)
     except ImportError as e:
         raise LoraSetupError("lora_rank > 0 needs peft: pip install 'flyte-rlhf[lora]' (or peft==0.21.2)") from e
 

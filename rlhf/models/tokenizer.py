@@ -11,7 +11,6 @@ no prompt or response text can smuggle in a control token and every text round-t
 
 from __future__ import annotations
 
-import string
 
 from tokenizers import Tokenizer, decoders, models, processors
 from transformers import PreTrainedTokenizerFast

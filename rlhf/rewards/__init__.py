@@ -16,7 +16,9 @@ from typing import Any, Callable, Sequence
 
 from rlhf.config.schema import RewardConfig
 from rlhf.config.registry import Registry
+from rlhf.models.gguf import find_gguf
 from rlhf.rewards import arithmetic, gsm8k
+from rlhf.rewards.model import RewardModel
 
 RewardFn = Callable[[str, str, dict, RewardConfig], float]
 
@@ -59,9 +61,6 @@ def load_reward_model(cfg: RewardConfig, device: str = "cpu"):
     """A `RewardModel` for `cfg.model_path`, or None when no path is set."""
     if not cfg.model_path:
         return None
-    from rlhf.models.gguf import find_gguf
-    from rlhf.rewards.model import RewardModel
-
     if find_gguf(cfg.model_path):
         raise ValueError(f"reward.model_path '{cfg.model_path}' is a GGUF file; GGUF holds causal language models, "
                          "and a reward model is a sequence classifier with one output: save it with "

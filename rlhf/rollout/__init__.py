@@ -11,7 +11,9 @@ from typing import Callable
 
 from rlhf.config.schema import RolloutConfig
 from rlhf.config.registry import Registry
+from rlhf.models.load import load_causal_lm
 from rlhf.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
+from rlhf.rollout.hf import HFRolloutEngine
 
 EngineFactory = Callable[..., RolloutEngine]
 ENGINES: Registry[EngineFactory] = Registry("rollout engine")
@@ -23,8 +25,6 @@ __all__ = ["ENGINES", "RolloutBatch", "RolloutEngine", "SamplingParams", "make_e
 def _make_hf(model_dir: str, tokenizer, cfg: RolloutConfig, model=None, seed: int = 0,
              device: str = "auto", dtype: str = "float32", trust_remote_code: bool = False,
              allow_network: bool = False) -> RolloutEngine:
-    from rlhf.models.load import load_causal_lm
-    from rlhf.rollout.hf import HFRolloutEngine
 
     if model is None:
         model = load_causal_lm(model_dir, dtype=dtype, trust_remote_code=trust_remote_code,
@@ -36,8 +36,8 @@ def _make_hf(model_dir: str, tokenizer, cfg: RolloutConfig, model=None, seed: in
 def _make_hf_fast(model_dir: str, tokenizer, cfg: RolloutConfig, model=None, seed: int = 0,
                   device: str = "auto", dtype: str = "float32", trust_remote_code: bool = False,
                   allow_network: bool = False) -> RolloutEngine:
-    from rlhf.models.load import load_causal_lm
-    from rlhf.rollout.fast_decode import FastHFRolloutEngine  # static KV cache + CUDA graphs on GPU
+    # static KV cache + CUDA graphs on GPU; loads triton, so only when asked for
+    from rlhf.rollout.fast_decode import FastHFRolloutEngine
 
     if model is None:
         model = load_causal_lm(model_dir, dtype=dtype, trust_remote_code=trust_remote_code,

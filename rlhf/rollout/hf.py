@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from rlhf.rollout.base import RolloutBatch, SamplingParams
+from rlhf.models.load import load_weights_into
 
 
 def resolve_device(device: str | torch.device | None, model: torch.nn.Module) -> torch.device:
@@ -127,8 +128,6 @@ class HFRolloutEngine:
 
     def update_weights(self, model_dir: str) -> None:
         """Copy the safetensors weights of `model_dir` into the held model."""
-        from rlhf.models.load import load_weights_into
-
         load_weights_into(self.model, model_dir)
 
     def release(self) -> None:

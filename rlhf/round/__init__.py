@@ -2,10 +2,9 @@
 (`stages`: data, sample, rollout, score, update; `partition`: rows balanced over ranks),
 the starting policy (`policy`), the rules both drivers follow (`rules`: seeds, validation
 schedule, per-step metrics, the summary), the state that crosses rounds and the
-early-stopping decision (`state`), validation (`evaluate`), stored rollouts
-standing in for the rollout stage (`offline`), and round checkpoints written in the
-background (`checkpoint`, `checkpoint_io`, `tensor_files`) and verified before any use
-(`checkpoint_verify`).
+early-stopping decision (`state`), validation (`evaluate`), and stored rollouts
+standing in for the rollout stage (`offline`). Checkpoints are `rlhf.checkpoint`, a layer
+above this one.
 
 May import: `rlhf.config`, `rlhf.data`, `rlhf.algos`, `rlhf.models`, `rlhf.rewards`,
 `rlhf.rollout`, `rlhf.trainer`, `schemas`. Never tracking or the drivers (`rlhf.train`):

@@ -14,6 +14,9 @@ import pandas as pd
 
 from rlhf.config.schema import PPOConfig, RewardConfig
 from rlhf.rollout.base import RolloutEngine, SamplingParams
+from rlhf.data.sampling import tokenize_prompts
+from rlhf.rewards import compute_scores
+from rlhf.trainer.faults import oom_as_recoverable, rollout_memory_settings
 
 
 def greedy_texts(engine: RolloutEngine, prompt_ids: list[list[int]], max_response_length: int,
@@ -55,9 +58,6 @@ def evaluate_greedy(engine: RolloutEngine, tokenizer, df: pd.DataFrame, max_prom
     `batch_size` prompts at a time) and score it; returns flat metrics. With a `samples` list,
     its first `n_samples` rows are appended to it as dicts (data_source, prompt, response,
     ground_truth, score) for the run's generations table."""
-    from rlhf.data.sampling import tokenize_prompts
-    from rlhf.rewards import compute_scores
-
     if len(df) == 0:
         raise ValueError("evaluate_greedy: the validation frame is empty; check data.val_files")
     prompt_ids = tokenize_prompts(df["prompt"].tolist(), tokenizer, max_prompt_length, truncation=truncation,
@@ -83,8 +83,6 @@ def evaluate(engine: RolloutEngine, tokenizer, val: pd.DataFrame, cfg: PPOConfig
     """Validation (greedy unless `rollout.val_temperature` > 0, `data.val_batch_size` prompts per
     generate call): flat `val-core/<source>/reward/mean@1` metrics and `val/accuracy` (with a
     `samples` list, a few prompts, responses and scores are appended to it)."""
-    from rlhf.trainer.faults import oom_as_recoverable, rollout_memory_settings
-
     with oom_as_recoverable("validation rollout", rollout_memory_settings(cfg)):
         return evaluate_greedy(engine, tokenizer, val, cfg.data.max_prompt_length, cfg.data.max_response_length,
                                cfg.reward, reward_model=reward_model, prompt_format=cfg.data.prompt_format,

@@ -25,6 +25,8 @@ from rlhf.round import stages
 from rlhf.config.schema import PPOConfig
 from rlhf.config.sizes import derive_sizes
 from rlhf.data.io import DataValidationError
+from rlhf.data.rollouts import complete_rollouts, read_rollout_table
+from rlhf.models.load import load_options, load_tokenizer
 
 
 def offline_table(cfg: PPOConfig, tokenizer) -> Optional[pd.DataFrame]:
@@ -35,8 +37,6 @@ def offline_table(cfg: PPOConfig, tokenizer) -> Optional[pd.DataFrame]:
 def load_rollouts(cfg: PPOConfig, tokenizer) -> pd.DataFrame:
     """The stored table at `data.rollout_files`, completed (`RolloutSchema` columns, plus
     `score` where stored) and checked to hold at least one round's block."""
-    from rlhf.data.rollouts import complete_rollouts, read_rollout_table
-
     d = cfg.data
     stored = read_rollout_table(d.rollout_files, d.base_dir)
     prompt_ids = None if "prompt_ids" in stored else stages.tokenize(stored, tokenizer, cfg)
@@ -78,8 +78,6 @@ def offline_round(table: pd.DataFrame, cfg: PPOConfig, round_: int, rank: int = 
 def offline_rollouts(cfg: PPOConfig, model_dir: str, round_: int, reward_model=None) -> pd.DataFrame:
     """The stateless driver's stage: round `round_`'s scored block, with the tokenizer saved
     in `model_dir` (the policy's)."""
-    from rlhf.models.load import load_options, load_tokenizer
-
     tokenizer = load_tokenizer(model_dir, **load_options(cfg.model))
     table = load_rollouts(cfg, tokenizer)
     return offline_round(table, cfg, round_, reward_model=reward_model)[1]

@@ -8,6 +8,7 @@ scored table and falls back to the contiguous split when no equal split exists.
 from __future__ import annotations
 
 from typing import Sequence
+from rlhf.data.batching import equal_count_partition
 
 
 def balanced_rows(lengths: Sequence[int], steps: int, world: int, chunk_rows: int,
@@ -20,8 +21,6 @@ def balanced_rows(lengths: Sequence[int], steps: int, world: int, chunk_rows: in
     (`equal_count_partition`). A unit is a row, or with `group_ids` a run of consecutive
     rows with the same id (all units of a chunk of one size, so parts get equal rows).
     Rank r's rows: part r of every chunk in turn, each part in the original row order."""
-    from rlhf.data.batching import equal_count_partition
-
     n = len(lengths)
     if steps <= 0 or n % steps:
         return None, f"{n} rows do not make {steps} equal step blocks"

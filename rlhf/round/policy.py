@@ -10,6 +10,8 @@ from pathlib import Path
 
 from rlhf.config.schema import PPOConfig
 from rlhf.round.stages import DataBundle
+from rlhf.data.checks import user_sft_split
+from rlhf.models.gguf import resolve_model_path
 
 
 def prepare_policy(cfg: PPOConfig, out_dir: str | os.PathLike, data: DataBundle) -> str:
@@ -17,16 +19,13 @@ def prepare_policy(cfg: PPOConfig, out_dir: str | os.PathLike, data: DataBundle)
     holding one, converted once to safetensors: `rlhf.models.gguf`), or the tiny default model
     built and SFT-warm-started in code (cached in `<out_dir>/base_model`)."""
     if cfg.model.path:
-        from rlhf.models.gguf import resolve_model_path
-
         if cfg.model.critic_path:  # converted here too, so the update's workers find it in the cache
             resolve_model_path(cfg.model.critic_path, allow_network=cfg.model.allow_network)
         return resolve_model_path(cfg.model.path, allow_network=cfg.model.allow_network)
     base = Path(out_dir) / "base_model"
     if (base / "config.json").is_file():
         return str(base)
-    from rlhf.data.checks import user_sft_split
-    from rlhf.trainer.default_policy import build_default_policy
+    from rlhf.trainer.default_policy import build_default_policy  # loads transformers: only for the built-in policy
 
     # User data: the tiny model is warm-started on its labeled rows (target "#### <ground truth>").
     sft = data.sft if data.sft is not None else user_sft_split(data.train, cfg.data.synthetic.n_sft)

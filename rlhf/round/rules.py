@@ -57,7 +57,7 @@ def store_rollouts(cfg: PPOConfig, scored: pd.DataFrame, round_: int, rank: int 
     """Write round `round_`'s (1-based) scored rollouts under `trainer.rollout_data_dir`, if set:
     the input format of offline RLHF (`data.rollout_files`)."""
     if cfg.trainer.rollout_data_dir:
-        from rlhf.data.rollouts import write_round_rollouts
+        from rlhf.data.rollouts import write_round_rollouts  # loads pyarrow and pandera: only when rollouts are kept
 
         write_round_rollouts(cfg.trainer.rollout_data_dir, scored, round_, rank)
 

@@ -28,6 +28,10 @@ from rlhf.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
 from rlhf.round.partition import balanced_rows
 from rlhf.round.state import RoundState
 from rlhf.trainer.batch import PPOBatch, collate
+from rlhf.data.arithmetic import make_splits
+from rlhf.data.sampling import PromptSampler, filter_overlong, tokenize_prompts
+from rlhf.rewards import REWARDS, compute_scores, load_reward_model as _load
+from rlhf.trainer.faults import oom_as_recoverable, rollout_memory_settings
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +50,7 @@ def prepare_data(cfg: PPOConfig) -> DataBundle:
     """Read the configured parquet files, or build the synthetic arithmetic splits."""
     d = cfg.data
     if d.train_files:
-        from rlhf.data.io import read_prompts
+        from rlhf.data.io import read_prompts  # loads pyarrow and pandera: only for data from files
 
         train = read_prompts(d.train_files, drop_invalid=d.drop_invalid, base_dir=d.base_dir)
         if not d.val_files:
@@ -54,7 +58,6 @@ def prepare_data(cfg: PPOConfig) -> DataBundle:
         val = read_prompts(d.val_files, drop_invalid=d.drop_invalid, base_dir=d.base_dir)
         check_data_sources(train, val, ", ".join(d.train_files), ", ".join(d.val_files))
         return DataBundle(train=train, val=val, sft=None)
-    from rlhf.data.arithmetic import make_splits
 
     splits = make_splits(d.synthetic)
     return DataBundle(train=splits["train"], val=splits["val"], sft=splits["sft"])
@@ -64,8 +67,7 @@ def check_data_sources(train: pd.DataFrame, val: pd.DataFrame, train_name: str, 
     """Before any training: every rule-scored row's `data_source` has a reward function, and
     every source trained on has validation rows (else its `val-core/<source>` metric is missing
     and early stopping would not see it). Raises `DataValidationError` naming file, rows, source."""
-    from rlhf.data.io import DataValidationError
-    from rlhf.rewards import REWARDS
+    from rlhf.data.io import DataValidationError  # loads pyarrow and pandera: only for data from files
 
     for df, name in ((train, train_name), (val, val_name)):
         rule = df[(df["reward_style"] == "rule") & ~df["data_source"].isin(REWARDS.names())]
@@ -91,8 +93,6 @@ def sample_prompts(train: pd.DataFrame, state: RoundState, cfg: PPOConfig) -> tu
     """The round's prompts (`steps_per_round` batches of `train_batch_size` rows), from a seeded
     per-epoch shuffle whose last partial batch is dropped, as verl's loader drops it; the
     sampler position is carried in the state."""
-    from rlhf.data.sampling import PromptSampler
-
     sampler = PromptSampler(len(train), cfg.data.train_batch_size, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle,
                             drop_last=True)
     sampler.load_state_dict({"epoch": state.epoch, "cursor": state.cursor})
@@ -178,7 +178,6 @@ def fit_prompts(df: pd.DataFrame, tokenizer, cfg: PPOConfig, split: str) -> pd.D
     d = cfg.data
     if not d.filter_overlong_prompts or len(df) == 0:
         return df
-    from rlhf.data.sampling import filter_overlong
 
     kept = filter_overlong(df, tokenizer, d.max_prompt_length, d.prompt_format)
     dropped = kept.attrs.get("n_overlong", 0)
@@ -201,8 +200,6 @@ def fit_data(data: DataBundle, tokenizer, cfg: PPOConfig) -> DataBundle:
 
 
 def tokenize(prompts: pd.DataFrame, tokenizer, cfg: PPOConfig) -> list[list[int]]:
-    from rlhf.data.sampling import tokenize_prompts
-
     return tokenize_prompts(prompts["prompt"].tolist(), tokenizer, cfg.data.max_prompt_length,
                             truncation=cfg.data.truncation, prompt_format=cfg.data.prompt_format)
 
@@ -216,8 +213,7 @@ def sampling_params(cfg: PPOConfig, seed: int | None = None) -> SamplingParams:
 def rollout(engine: RolloutEngine, tokenizer, prompts: pd.DataFrame, cfg: PPOConfig, seed: int) -> pd.DataFrame:
     """Sample `rollout.n` responses per prompt; returns a RolloutSchema table (prompt groups contiguous).
     Out of device memory raises `RecoverableOOMError` naming the rollout settings to lower."""
-    from rlhf.trainer.faults import oom_as_recoverable, rollout_memory_settings
-    from schemas.prompts import dump_json_column
+    from schemas.prompts import dump_json_column  # loads pandera: only once a round runs
 
     ids = tokenize(prompts, tokenizer, cfg)
     with oom_as_recoverable("rollout", rollout_memory_settings(cfg)):
@@ -251,8 +247,6 @@ def rollout_metrics(rollouts: pd.DataFrame, cfg: PPOConfig) -> dict[str, float]:
 
 def score(rollouts: pd.DataFrame, cfg: PPOConfig, reward_model=None) -> pd.DataFrame:
     """Add the reward function's (or reward model's) `score` column: a ScoredRolloutSchema table."""
-    from rlhf.rewards import compute_scores
-
     extra = [json.loads(x) if x else {} for x in rollouts["extra_info"]]
     gts = [None if pd.isna(g) else g for g in rollouts["ground_truth"]]
     scores = compute_scores(rollouts["data_source"].tolist(), rollouts["response"].tolist(), gts, extra,
@@ -262,8 +256,6 @@ def score(rollouts: pd.DataFrame, cfg: PPOConfig, reward_model=None) -> pd.DataF
 
 
 def load_reward_model(cfg: PPOConfig, device: torch.device):
-    from rlhf.rewards import load_reward_model as _load
-
     return _load(cfg.reward, device=str(device))
 
 
@@ -272,7 +264,7 @@ def load_reward_model(cfg: PPOConfig, device: torch.device):
 
 def to_buffer(scored: pd.DataFrame, pad_id: int, cfg: PPOConfig) -> PPOBatch:
     """The scored table as the trainer's tensor layout (prompt width from the config)."""
-    from schemas.prompts import load_json_column
+    from schemas.prompts import load_json_column  # loads pandera: only once a round runs
 
     return collate(
         prompt_ids=load_json_column(scored["prompt_ids"]),

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from rlhf.tracking.results import json_safe, write_text_atomic
+from rlhf.config.load import save_config
+from rlhf.tracking.plots import figure_png, training_figure, training_html
 
 GENERATIONS_PER_EVAL = 8  # rows of the generations table per evaluation
 GENERATION_COLUMNS = ("step", "data_source", "prompt", "response", "ground_truth", "score")
@@ -32,8 +34,6 @@ def artifact_dir(output_dir: str | os.PathLike) -> Path:
 
 def log_config(sink, cfg, output_dir: str | os.PathLike) -> None:
     """The run's config as `config/config.yaml`."""
-    from rlhf.config.load import save_config
-
     path = artifact_dir(output_dir) / "config.yaml"
     save_config(cfg, path)
     sink.log_artifact(str(path), "config")
@@ -41,8 +41,6 @@ def log_config(sink, cfg, output_dir: str | os.PathLike) -> None:
 
 def log_curves(sink, state, stop_reason: str, output_dir: str | os.PathLike) -> None:
     """The training curves as `plots/training.html` (the deck's view) and `plots/training.png`."""
-    from rlhf.tracking.plots import figure_png, training_figure, training_html
-
     out = artifact_dir(output_dir)
     html_path = write_text_atomic(out / "training.html", training_html(state, stop_reason))
     png_path = out / "training.png"

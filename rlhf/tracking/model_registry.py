@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Optional
+from rlhf.tracking.sinks import MLflowSink
 
 CHAMPION = "champion"
 VAL_SCORE_TAG = "val_score"
@@ -45,8 +46,6 @@ def register(tracking_uri: str, name: str, model_dir: str, val_score: float, exp
     """Log `model_dir` as artifact `model` of MLflow run `run_id` (a new run in `experiment`
     when empty) and register it as a new version of `name` tagged with its val score."""
     from mlflow.exceptions import MlflowException
-
-    from rlhf.tracking.sinks import MLflowSink
 
     client = _client(tracking_uri)
     if run_id:  # an existing (training) run: add the files, leave its status alone

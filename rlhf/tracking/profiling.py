@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 import torch
+from rlhf.trainer.dist import barrier
 
 PROFILE_DIR = "profile"
 RANGE_PREFIXES = ("old_log_prob", "ref", "values", "adv", "update_actor", "update_critic", "actor/", "critic/")
@@ -134,7 +135,6 @@ class StepProfiler:
                      json.dumps({"global_steps": hit, "round_first_step": first_step, "round_steps": n_steps,
                                  "rank": self.rank, "files": [p.name for p in done]}, indent=1))
         self.written.append(out)
-        from rlhf.trainer.dist import barrier
 
         barrier()  # every rank's files are in place before rank 0 logs the folder
         if sink is not None:

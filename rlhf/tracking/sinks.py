@@ -199,7 +199,7 @@ class MLflowSink:
         changed = sorted(k for k in new if k in old and old[k] != new[k])
         if changed:
             warnings.warn(f"MLflow run {self.run_id} already has params {changed} with other values; "
-                          "MLflow params cannot change, so the first values are kept")
+                          "MLflow params cannot change, so the first values are kept", stacklevel=2)
         todo = [Param(k, v) for k, v in new.items() if k not in old]
         for chunk in _chunks(todo, PARAMS_PER_BATCH):
             self.client.log_batch(self.run_id, params=chunk)

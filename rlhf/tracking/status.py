@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import socket
+from rlhf.config.redact import redact
+from rlhf.tracking.sinks import TAG_VALUE_MAX
 
 LAUNCH_TAG = "rlhf.launch"
 ERROR_TAG = "rlhf.error"
@@ -27,9 +29,6 @@ def fail_launch_runs(tracking_uri: str, experiment: str, launch: str, error: str
     """Set every RUNNING run of `experiment` tagged with `launch` to FAILED (the error, cut to
     MLflow's tag limit, as tag `rlhf.error`); returns their ids."""
     from mlflow.tracking import MlflowClient
-
-    from rlhf.config.redact import redact
-    from rlhf.tracking.sinks import TAG_VALUE_MAX
 
     client = MlflowClient(tracking_uri=tracking_uri)
     exp = client.get_experiment_by_name(experiment)

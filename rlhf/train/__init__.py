@@ -11,7 +11,7 @@
   `python -m rlhf.train.check`), `rlhf.train.sft` (the SFT command line).
 
 This package may import everything below it in the layer order (config, data, algos,
-models, rewards, rollout, trainer, round, tracking), never flytekit, `tasks`, `workflows`
+models, rewards, rollout, trainer, round, checkpoint, tracking), never flytekit, `tasks`, `workflows`
 or `sweeps`. `rlhf.train(cfg)` is `train(cfg)`: the module is callable.
 """
 
@@ -21,7 +21,7 @@ import sys
 
 from rlhf.config.schema import PPOConfig
 from rlhf.train.cli import main
-from rlhf.round.checkpoint_verify import resume_candidates
+from rlhf.checkpoint.verify import resume_candidates
 from rlhf.train.inprocess import Run, run_rounds, train
 
 __all__ = ["Run", "main", "resume_candidates", "run_rounds", "train"]

@@ -26,6 +26,12 @@ from typing import Callable
 from rlhf.config.load import from_dict, load_config, read_config_file
 from rlhf.config.schema import ConfigError, PPOConfig
 from rlhf.config.sizes import derive_sizes, resolve_epochs
+from rlhf.data.checks import check_position_limit, resampling_message, user_sft_split
+from rlhf.data.io import list_parquet_files, read_prompts, resolve_path
+from rlhf.models.gguf import find_gguf, resolve_model_path
+from rlhf.models.load import check_model_source, load_options, load_tokenizer
+from rlhf.round import stages
+from rlhf.round.stages import check_data_sources
 
 log = logging.getLogger(__name__)
 
@@ -75,16 +81,12 @@ def _check_data(cfg: PPOConfig, plan: Plan) -> int:
         plan.lines.append(f"data: {train_names} / {val_names} (over {MAX_CHECK_BYTES >> 20} MiB: files found, "
                           "rows validated by the run)")
         return -1
-    from rlhf.data.io import read_prompts
-    from rlhf.round.stages import check_data_sources
 
     train = read_prompts(d.train_files, drop_invalid=d.drop_invalid, base_dir=d.base_dir)
     val = read_prompts(d.val_files, drop_invalid=d.drop_invalid, base_dir=d.base_dir)
     check_data_sources(train, val, train_names, val_names)
     plan.lines.append(f"data: {len(train)} train rows ({train_names}), {len(val)} val rows ({val_names})")
     if not cfg.model.path:
-        from rlhf.data.checks import user_sft_split
-
         sft = user_sft_split(train, d.synthetic.n_sft)
         plan.lines.append(f"warm-start: the tiny model on {len(sft)} labeled train rows (target '#### <answer>')")
     return len(train)
@@ -92,16 +94,11 @@ def _check_data(cfg: PPOConfig, plan: Plan) -> int:
 
 def _local_bytes(path: str, base_dir: str) -> int:
     """Total size of the parquet files behind a local dataset path (raises when there are none)."""
-    from rlhf.data.io import list_parquet_files, resolve_path
-
     fs, files = list_parquet_files(resolve_path(path, base_dir))
     return sum(int(fs.size(f) or 0) for f in files)
 
 
 def _check_models(cfg: PPOConfig, plan: Plan, problems: list[Exception]) -> None:
-    from rlhf.models.gguf import find_gguf
-    from rlhf.models.load import check_model_source
-
     m = cfg.model
     for key, path in (("model.path", m.path), ("model.critic_path", m.critic_path),
                       ("reward.model_path", cfg.reward.model_path)):
@@ -135,8 +132,6 @@ def _failed(problems: list[Exception]) -> Exception:
 def preflight(cfg: PPOConfig) -> Plan:
     """Check `cfg`'s launch without running it; raises `CheckFailed` naming every mistake found
     (each with its fix)."""
-    from rlhf.data.checks import check_position_limit, resampling_message
-
     plan, problems = Plan(), []
     t = cfg.trainer
     world = t.n_gpus_per_node * t.nnodes
@@ -165,7 +160,6 @@ def _rounds(cfg: PPOConfig, n_read: int) -> str:
         return str(cfg.trainer.total_rounds)
     if n_read < 0:
         return f"{epochs} epoch(s) of the train rows (counted by the run once it has read them)"
-    from rlhf.round import stages
 
     train = stages.prepare_data(cfg).train
     if cfg.data.filter_overlong_prompts:
@@ -178,11 +172,9 @@ def _rounds(cfg: PPOConfig, n_read: int) -> str:
 def _tokenizer(cfg: PPOConfig):
     """The policy's tokenizer, as the run will load it (the tiny model's is built in code)."""
     if not cfg.model.path:
-        from rlhf.models.tokenizer import build_char_tokenizer
+        from rlhf.models.tokenizer import build_char_tokenizer  # loads transformers: only for the built-in model
 
         return build_char_tokenizer()
-    from rlhf.models.gguf import resolve_model_path
-    from rlhf.models.load import load_options, load_tokenizer
 
     return load_tokenizer(resolve_model_path(cfg.model.path, allow_network=cfg.model.allow_network),
                           **load_options(cfg.model))

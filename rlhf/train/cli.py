@@ -20,6 +20,11 @@ from rlhf.config.schema import ConfigError
 from rlhf.config.verl_defaults import defaults_line
 from rlhf.train.inprocess import train
 from rlhf.trainer import dist as D
+from rlhf.checkpoint.rounds import CorruptCheckpointError
+from rlhf.data.io import DataValidationError
+from rlhf.models.load import ModelLoadError
+from rlhf.tracking.progress import quiet_progress_bars
+from rlhf.tracking.results import summary_rows, summary_table, write_summary
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # rlhf.train.check also runs as `python -m rlhf.train.check`: the package (which imports this
+    # module) must not have loaded it before runpy does
     from rlhf.train.check import CheckFailed, check_launch
 
     p = _parser()
@@ -47,7 +54,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(plan.text())
         return 0
-    from rlhf.tracking.progress import quiet_progress_bars
 
     quiet_progress_bars()
     try:
@@ -55,8 +61,6 @@ def main(argv: list[str] | None = None) -> int:
     except _user_errors() as e:  # found only once the data or model is loaded: still the message alone
         p.exit(2, f"error: {e}\n")
     if D.world()[0] == 0:
-        from rlhf.tracking.results import summary_rows, summary_table, write_summary
-
         if args.summary_json:
             write_summary(args.summary_json, summary)
         print(summary_table(summary_rows(summary, _places(summary))), flush=True)
@@ -72,10 +76,7 @@ def _announce_defaults(cfg) -> None:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors that name a key, file or row and what to do: shown without a traceback."""
-    from rlhf.data.io import DataValidationError
-    from rlhf.models.load import ModelLoadError
-    from rlhf.round.checkpoint import CorruptCheckpointError
-    from rlhf.train.check import CheckFailed
+    from rlhf.train.check import CheckFailed  # not at module level: see `main`
 
     return ConfigError, CheckFailed, DataValidationError, ModelLoadError, CorruptCheckpointError
 

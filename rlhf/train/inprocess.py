@@ -21,8 +21,8 @@ import torch
 from rlhf.config.schema import PPOConfig
 from rlhf.config.sizes import resolve_epochs
 from rlhf.models.lora import has_adapters
-from rlhf.round import checkpoint as ckpt
-from rlhf.round import checkpoint_verify as verify
+from rlhf.checkpoint import rounds as ckpt
+from rlhf.checkpoint import verify
 from rlhf.round import offline, rules, stages
 from rlhf.round.policy import prepare_policy
 from rlhf.round.state import RoundState, Verdict, decide
@@ -82,7 +82,7 @@ class Run:
         proc = S.start_process(cfg, out)
         self.device, self.rank, self.world, self.sizes, self.out = (proc.device, proc.rank, proc.world, proc.sizes,
                                                                      proc.out)
-        from rlhf.round.checkpoint_io import CheckpointWriter
+        from rlhf.checkpoint.writer import CheckpointWriter
 
         self.writer = CheckpointWriter()  # checkpoints are written in its thread while rounds go on
         self._reserved = False  # whether the writer's host buffers are allocated

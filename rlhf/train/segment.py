@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import pandas as pd
 
-from rlhf.round import checkpoint as ckpt
+from rlhf.checkpoint import rounds as ckpt
 from rlhf.round import stages
 from rlhf.config.schema import PPOConfig
 from rlhf.round.state import RoundState

@@ -8,7 +8,7 @@ validation and checkpoints from here, so the same config builds the same objects
   output directory);
 - trainer: `build_trainer` (models from a checkpoint's safetensors or the base policy) and
   `load_trainer` (that, plus the checkpoint's optimizer state and round state, its files
-  checked against their digests while the trainer is built, `rlhf.round.checkpoint_verify`);
+  checked against their digests while the trainer is built, `rlhf.checkpoint.verify`);
   `load_first_valid` tries the places a run may start from in order and says which file
   failed, or stops naming them all;
 - rollout engine: `make_engine` (on the trainer's module or a policy directory) and
@@ -50,18 +50,27 @@ from typing import Callable, Optional
 import pandas as pd
 import torch
 
-from rlhf.config.schema import PPOConfig
+from rlhf.config.schema import PPOConfig, flatten
 from rlhf.config.sizes import Sizes, derive_sizes
 from rlhf.models import lora
-from rlhf.models.load import is_adapter_dir
-from rlhf.round import checkpoint as ckpt
+from rlhf.models.load import (ValueModel, frozen_reference, is_adapter_dir, load_causal_lm, load_options,
+                              load_tokenizer as _load, save_model_atomic)
+from rlhf.checkpoint import rounds as ckpt
 from rlhf.round import evaluate as validation
 from rlhf.round import stages
 from rlhf.round.state import RoundState, record_val
-from rlhf.round.checkpoint_verify import next_hint, none_valid, policy_checkpoint, start_verify  # noqa: F401
+from rlhf.checkpoint.verify import next_hint, none_valid, policy_checkpoint, start_verify
 from rlhf.trainer import dist as D
+from rlhf.checkpoint.adapters import restore_adapters, start_base_digest
+from rlhf.models.gguf import resolve_model_path
+from rlhf import rollout as rollout_engines
+from rlhf.tracking.artifacts import log_generations
+from rlhf.tracking.buffer import BufferedMLflowSink
+from rlhf.tracking.make import make_sink
+from rlhf.tracking.sinks import MultiSink, NullSink
+from rlhf.trainer.ppo import PPOTrainer
 
-log = logging.getLogger("rlhf.round.checkpoint")
+log = logging.getLogger("rlhf.checkpoint")
 
 # -- process ------------------------------------------------------------------------------
 
@@ -100,8 +109,6 @@ def start_process(cfg: PPOConfig, out_dir: str | Path) -> Process:
 
 
 def load_tokenizer(cfg: PPOConfig, model_dir: str):
-    from rlhf.models.load import load_options, load_tokenizer as _load
-
     return _load(model_dir, **load_options(cfg.model))
 
 
@@ -110,9 +117,6 @@ def build_trainer(cfg: PPOConfig, sizes: Sizes, base_dir: str, device: torch.dev
     """A `PPOTrainer`: actor and critic from checkpoint `resume` (its safetensors models) or,
     without one, from the base policy; the frozen reference is always the base policy.
     The optimizer state is not loaded here (`load_trainer` does that)."""
-    from rlhf.models.load import ValueModel, frozen_reference, load_causal_lm, load_options
-    from rlhf.trainer.ppo import PPOTrainer
-
     m = cfg.model
     opts = load_options(m)
     actor_lora, critic_lora = lora.actor_spec(cfg), lora.critic_spec(cfg)
@@ -137,8 +141,6 @@ def build_trainer(cfg: PPOConfig, sizes: Sizes, base_dir: str, device: torch.dev
 def with_adapters(model, spec: lora.LoraSpec, base_dir: str, saved: Optional[Path]):
     """`model` (the base weights from `base_dir`) with `spec`'s adapters added, and those of
     checkpoint directory `saved` (and its value head) copied in when given."""
-    from rlhf.round.lora_checkpoint import restore_adapters, start_base_digest
-
     lora.add_adapters(getattr(model, "backbone", model), spec, base_path=str(Path(base_dir).resolve()))
     if D.world()[0] == 0:
         start_base_digest(base_dir)  # rank 0's checkpoints record it: hashed while the run starts
@@ -152,7 +154,6 @@ def critic_source(cfg: PPOConfig, base_dir: str) -> str:
     cache) or the base policy."""
     if not cfg.model.critic_path:
         return base_dir
-    from rlhf.models.gguf import resolve_model_path
 
     return resolve_model_path(cfg.model.critic_path, allow_network=cfg.model.allow_network)
 
@@ -243,11 +244,9 @@ def _free_memory() -> None:
 def make_engine(cfg: PPOConfig, policy_dir: str, tokenizer, device: torch.device, model=None):
     """The `rollout.name` engine for the policy in `policy_dir`; the HF engines generate with
     `model` (the trainer's actor module) when given."""
-    from rlhf.models.load import load_options
-    from rlhf.rollout import make_engine as _make
-
-    return _make(cfg.rollout.name, policy_dir, tokenizer, cfg.rollout, model=model, seed=cfg.trainer.seed,
-                 device=str(device), dtype=cfg.model.dtype, **load_options(cfg.model))
+    return rollout_engines.make_engine(cfg.rollout.name, policy_dir, tokenizer, cfg.rollout, model=model,
+                                       seed=cfg.trainer.seed, device=str(device), dtype=cfg.model.dtype,
+                                       **load_options(cfg.model))
 
 
 def policy_engine(cfg: PPOConfig, model_dir: str, device: torch.device):
@@ -280,7 +279,6 @@ def _plain_model_dir(cfg: PPOConfig, model_dir: str, tokenizer) -> str:
     base and saved as a plain model directory."""
     if cfg.rollout.name != "vllm" or not is_adapter_dir(model_dir):
         return model_dir
-    from rlhf.models.load import load_causal_lm, load_options, save_model_atomic
 
     merged = load_causal_lm(model_dir, dtype=cfg.model.dtype, **load_options(cfg.model))
     return save_model_atomic(merged, tokenizer, str(Path(tempfile.mkdtemp(prefix="merged_policy_")) / "m"))
@@ -297,10 +295,6 @@ def _sink_names(cfg: PPOConfig, mlflow: bool = True) -> list[str]:
 def run_sink(cfg: PPOConfig, rank: int):
     """The sinks of a driver that owns its tracked run (rank 0; the others log nothing),
     with the flattened config logged as parameters."""
-    from rlhf.config.schema import flatten
-    from rlhf.tracking.make import make_sink
-    from rlhf.tracking.sinks import NullSink
-
     if rank != 0:
         return NullSink()
     sink = make_sink(_sink_names(cfg), cfg, run_name=cfg.trainer.experiment_name)
@@ -313,7 +307,6 @@ def open_tracking(cfg: PPOConfig, run_name: Optional[str] = None, tags: Optional
     mlflow; returns its id, or "" when MLflow is not used."""
     if "mlflow" not in cfg.trainer.logger:
         return ""
-    from rlhf.tracking.make import make_sink
 
     sink = make_sink(["mlflow"], cfg, run_name=run_name, tags=tags)
     return sink.run_id
@@ -323,9 +316,6 @@ def tracking_sink(cfg: PPOConfig, run_id: str = "", state: Optional[RoundState] 
     """The configured sinks, with MLflow resuming run `run_id` (not closed by the stages) and
     wandb the run `state.wandb_id`; MLflow records an earlier task left in `state` (its server
     was down) are sent first. No console sink, since `decide` prints the round's line."""
-    from rlhf.tracking.make import make_sink
-    from rlhf.tracking.sinks import NullSink
-
     names = _sink_names(cfg, mlflow=bool(run_id))
     if not names:
         return NullSink()
@@ -344,9 +334,6 @@ def keep_pending(sink, state: RoundState) -> RoundState:
 
 
 def _buffered(sink):
-    from rlhf.tracking.buffer import BufferedMLflowSink
-    from rlhf.tracking.sinks import MultiSink
-
     for s in sink.sinks if isinstance(sink, MultiSink) else [sink]:
         if isinstance(s, BufferedMLflowSink):
             return s
@@ -367,8 +354,6 @@ def evaluate(engine, tokenizer, val: pd.DataFrame, cfg: PPOConfig, reward_model,
 
 def log_evaluation(sink, step: int, metrics: dict[str, float], samples: list[dict], out_dir: str | Path) -> None:
     """A validation's metrics at `step`, and its sample generations as an artifact (under `out_dir`)."""
-    from rlhf.tracking.artifacts import log_generations
-
     sink.log_metrics(metrics, step=step)
     log_generations(sink, step, samples, out_dir)
 

@@ -14,6 +14,10 @@ import time
 
 from rlhf.config.load import load_config
 from rlhf.config.schema import ConfigError
+from rlhf.data.arithmetic import make_splits
+from rlhf.models.load import save_model_atomic
+from rlhf.rollout.hf import HFRolloutEngine
+from rlhf.round.evaluate import evaluate_greedy
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -36,11 +40,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         import torch
 
         torch.set_num_threads(args.threads)
-    from rlhf.data.arithmetic import make_splits
-    from rlhf.round.evaluate import evaluate_greedy
-    from rlhf.trainer.default_policy import warm_start
-    from rlhf.models.load import save_model_atomic
-    from rlhf.rollout.hf import HFRolloutEngine
+    from rlhf.trainer.default_policy import warm_start  # loads transformers: only when the command runs
 
     splits = make_splits(cfg.data.synthetic)
     print(f"data: {len(splits['sft'])} SFT problems, {len(splits['val'])} validation problems", flush=True)

@@ -28,8 +28,8 @@ from typing import Optional
 import pandas as pd
 import torch
 
-from rlhf.round import checkpoint as ckpt
-from rlhf.round import checkpoint_verify as verify
+from rlhf.checkpoint import rounds as ckpt
+from rlhf.checkpoint import verify
 from rlhf.round import stages
 from rlhf.round.policy import prepare_policy
 from rlhf.config.schema import DataConfig, ModelConfig, PPOConfig, TrainerConfig

@@ -12,6 +12,7 @@ from rlhf.models.load import save_model_atomic
 from rlhf.trainer.sft import sft_warm_start
 from rlhf.models.tiny import build_tiny_model
 from rlhf.models.tokenizer import build_char_tokenizer
+from rlhf.data.arithmetic import solution_text
 
 SFT_METRICS_FILE = "sft_metrics.json"
 
@@ -26,8 +27,6 @@ def build_tiny_policy(cfg: PPOConfig):
 
 def sft_targets(sft_df: pd.DataFrame) -> list[str]:
     """The answer text for each labeled row (GSM8K's "#### <answer>" format)."""
-    from rlhf.data.arithmetic import solution_text
-
     missing = sft_df.index[sft_df["ground_truth"].isna()].tolist()
     if missing:
         raise ValueError(f"SFT rows {missing[:5]} have no ground_truth; the warm-start needs labeled rows")

@@ -14,6 +14,10 @@ import torch
 
 from rlhf.config.schema import PPOConfig
 from rlhf.trainer.deepspeed_internals import consolidated_16bit_state_dict
+from rlhf.models.attention import use_varlen_attention
+from rlhf.trainer.dist import all_reduce_max, drop_stale_deepspeed_groups
+from rlhf.trainer.ds_ops import prepare_cpu_comm
+from rlhf.trainer.master_adam import MasterAdamW
 
 
 def ds_config(cfg: PPOConfig, lr: float, weight_decay: float, grad_clip: float, micro: int,
@@ -61,8 +65,6 @@ def prepare_module(module: torch.nn.Module, cfg: PPOConfig) -> torch.nn.Module:
     (recompute each layer in backward, about a third more compute for a fraction of the
     activation memory; the result is the same), and variable-length attention for packed
     micro-batches when `data.use_sequence_packing`."""
-    from rlhf.models.attention import use_varlen_attention
-
     is_critic = hasattr(module, "backbone")
     hf = getattr(module, "backbone", module)  # the critic's transformer
     if gradient_checkpointing(cfg, is_critic) and hasattr(hf, "gradient_checkpointing_enable"):
@@ -81,9 +83,6 @@ def build_engine(model: torch.nn.Module, ds_cfg: dict):
     in float32 mode; with one rank the engine skips its (identity) gradient all-reduce."""
     import deepspeed
 
-    from rlhf.trainer.dist import drop_stale_deepspeed_groups
-    from rlhf.trainer.ds_ops import prepare_cpu_comm
-
     drop_stale_deepspeed_groups()
     prepare_cpu_comm()  # no JIT build of the CPU shared-memory op, which can hang on a stale lock
     params = [p for p in model.parameters() if p.requires_grad]
@@ -97,8 +96,6 @@ def build_engine(model: torch.nn.Module, ds_cfg: dict):
 
 def _client_master_optimizer(ds_cfg: dict, params: list) -> tuple[dict, object]:
     """(config, None) unchanged, or for bf16 at stage 0 the float32-mode config and a MasterAdamW."""
-    from rlhf.trainer.master_adam import MasterAdamW
-
     bf16 = ds_cfg.get("bf16", {}).get("enabled", False)
     if not (OWN_MASTER_WEIGHTS and bf16 and ds_cfg["zero_optimization"]["stage"] == 0):
         return ds_cfg, None
@@ -163,8 +160,6 @@ class NonFiniteGuard:
         self.flag = torch.zeros_like(self.flag)
 
     def tripped(self) -> bool:
-        from rlhf.trainer.dist import all_reduce_max
-
         if not self._handles:
             return False
         return bool(all_reduce_max((~torch.isfinite(self.flag)).float()).item() > 0)

@@ -29,6 +29,8 @@ import torch.nn.functional as nnf
 from rlhf.algos.logits import entropy_from_logits, logprobs_from_logits
 from rlhf.models.attention import use_varlen_attention
 from rlhf.trainer.batch import PPOBatch
+from rlhf.data.batching import dynamic_micro_batches
+from rlhf.trainer import dist as D
 
 LOGPROB_CHUNK_ROWS = 2048  # rows of (rows, vocab) float32 logits alive at once in LinearLogProb
 
@@ -47,8 +49,6 @@ def micro_batches(batch: PPOBatch, micro_size: int, use_dynamic_bsz: bool, max_t
 
 
 def _same_count_across_ranks(groups: list[list[int]], lengths: list[int], device: torch.device) -> list[list[int]]:
-    from rlhf.trainer import dist as D
-
     k = int(D.all_reduce_max(torch.tensor(float(len(groups)), device=device)).item())
     if k <= len(groups):
         return groups
@@ -277,8 +277,6 @@ def batched_values(critic, batch: PPOBatch, micro: int, packed: bool, dynamic: b
 
 def _groups(batch: PPOBatch, micro: int, dynamic: bool, max_tokens: int) -> list[list[int]]:
     if dynamic:
-        from rlhf.data.batching import dynamic_micro_batches
-
         return [g for g in dynamic_micro_batches(batch.seq_lengths(), max_tokens) if g]
     return [list(range(i, min(i + micro, len(batch)))) for i in range(0, len(batch), micro)]
 

@@ -44,7 +44,8 @@ from rlhf.config.sizes import Sizes
 from rlhf.trainer import dist as D
 from rlhf.trainer import forward as F
 from rlhf.trainer.batch import PPOBatch
-from rlhf.trainer.engines import NonFiniteGuard, local_grad_norm, skip_step
+from rlhf.trainer.engines import NonFiniteGuard, build_engine, ds_config, local_grad_norm, prepare_module, skip_step
+from rlhf.trainer.faults import oom_as_recoverable, update_memory_settings
 
 
 @dataclass
@@ -71,8 +72,6 @@ class PPOTrainer:
 
     def __init__(self, cfg: PPOConfig, sizes: Sizes, actor: torch.nn.Module, critic: torch.nn.Module | None,
                  ref: torch.nn.Module | None, device: torch.device):
-        from rlhf.trainer.engines import build_engine, ds_config, prepare_module
-
         self.cfg, self.sizes, self.device = cfg, sizes, device
         a, c = cfg.actor, cfg.critic
         actor, critic = prepare_module(actor, cfg), prepare_module(critic, cfg) if critic is not None else None
@@ -349,8 +348,6 @@ class PPOTrainer:
 
     def round(self, buf: PPOBatch, steps: int) -> list[dict[str, float]]:
         """Run `steps` PPO steps over the round's buffer; returns one metrics dict per step."""
-        from rlhf.trainer.faults import oom_as_recoverable, update_memory_settings
-
         with oom_as_recoverable("PPO update", update_memory_settings(self.cfg)):
             return self._round(buf, steps)
 

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from rlhf.config.schema import SFTConfig
+from rlhf.rollout.base import SamplingParams
+from rlhf.rollout.hf import HFRolloutEngine
 
 IGNORE = -100
 
@@ -87,7 +89,7 @@ def tokenize_pairs(tokenizer, prompts: list[str], responses: list[str], prompt_f
     the tokenizer's BOS, or a chat list through the chat template with its generation prompt),
     responses on their own without special tokens, so the policy learns the ids it will
     continue from at rollout and the label mask falls exactly on the prompt's tokens."""
-    from rlhf.data.sampling import encode_prompts
+    from rlhf.data.sampling import encode_prompts  # loads pandas: only for the greedy check
 
     if len(prompts) != len(responses):
         raise ValueError(f"sft_warm_start: {len(prompts)} prompts but {len(responses)} responses; "
@@ -119,9 +121,6 @@ def cpu_threads(n: int, device: torch.device):
 
 def probe_accuracy(model, tokenizer, examples: list[tuple[list[int], list[int]]]) -> float:
     """Share of `examples` whose greedy response is exactly the labeled response + EOS."""
-    from rlhf.rollout.base import SamplingParams
-    from rlhf.rollout.hf import HFRolloutEngine
-
     prompts = [[t for t, y in zip(ids, labels) if y == IGNORE] for ids, labels in examples]
     targets = [[y for y in labels if y != IGNORE] for _, labels in examples]
     params = SamplingParams(temperature=0.0, max_tokens=max(len(t) for t in targets))

@@ -7,8 +7,8 @@ Layout: `<output_dir>/checkpoints/round_000005/` holding `actor/` and `critic/`
 temporary name, sealed with `manifest.json` (every file's size and digest) and renamed
 into place only when complete, so a crash mid-save never leaves a directory that reads as
 valid. Before a checkpoint is used, every file is checked against the manifest
-(`rlhf.round.checkpoint_verify`, whose names this module also gives). Weights holding
-NaN or inf are never checkpointed (`NonFiniteStateError`). `rlhf.round.checkpoint_io` writes
+(`rlhf.checkpoint.verify`, whose names this module also gives). Weights holding
+NaN or inf are never checkpointed (`NonFiniteStateError`). `rlhf.checkpoint.writer` writes
 the files, in a background thread when the driver keeps training meanwhile.
 
 `trainer.save_freq` picks the rounds checkpointed (`is_save_point`) and
@@ -26,13 +26,21 @@ from typing import Callable
 
 import torch
 
-from rlhf.round.checkpoint_verify import (  # noqa: F401  (checking and finding checkpoints, named here too)
+from rlhf.checkpoint.adapters import adapter_files
+from rlhf.checkpoint.pieces import file_digest, hash_name
+from rlhf.checkpoint.verify import (  # noqa: F401  (checking and finding checkpoints, named here too)
     MANIFEST_FILE, STATE_FILE, CorruptCheckpointError, checkpoint_root, corrupt, is_complete, latest_checkpoint,
     round_checkpoints, round_dir_name, verify, why_incomplete)
+from rlhf.checkpoint.writer import SaveJob, TensorFile, capture_engine, keep_module_weights, run_file_jobs, run_inline
+from rlhf.config.load import save_config
+from rlhf.models.load import VALUE_CONFIG_FILE, VALUE_HEAD_FILE
 from rlhf.models.lora import has_adapters, lora_scaling, merged_state_dict
-from rlhf.round.lora_checkpoint import adapter_files
+from rlhf.round.state import RoundState
+from rlhf.trainer import dist as D
+from rlhf.trainer.engines import full_state_dict
+from rlhf.trainer.faults import NonFiniteStateError, non_finite_tensors
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("rlhf.checkpoint")
 
 
 def tmp_dir_for(root: Path, round_: int) -> Path:
@@ -43,8 +51,6 @@ def write_manifest(path: Path, digests: dict[str, str] | None = None) -> None:
     """Seal a fully written checkpoint directory: record every file's size and digest,
     atomically. `digests` holds those already computed while writing (relative path ->
     digest); every other file is read and hashed here."""
-    from rlhf.round.checkpoint_io import file_digest, hash_name
-
     algo, digests = hash_name(), digests or {}
     files = {}
     for f in sorted(path.rglob("*")):
@@ -119,9 +125,6 @@ def save(final: Path, trainer, tokenizer, cfg, state, writer=None, extra: dict[s
     state in place calls `writer.wait_copied()` first); without one, it returns once every
     rank's part is written and the directory sealed.
     Raises `NonFiniteStateError` (on every rank, writing nothing) when a weight is NaN or inf."""
-    from rlhf.round.checkpoint_io import SaveJob, run_inline
-    from rlhf.trainer import dist as D
-
     rank, world = D.world()[:2]
     final = Path(final)
     tmp = final.parent / f".tmp_{final.name}"
@@ -146,9 +149,6 @@ def save(final: Path, trainer, tokenizer, cfg, state, writer=None, extra: dict[s
 def _collect(tmp: Path, trainer, tokenizer, cfg, state, extra: dict, final: Path) -> list:
     """This rank's files of a checkpoint in `tmp`: the small ones written, the state ones as
     `TensorFile`s referring to the live tensors."""
-    from rlhf.trainer import dist as D
-    from rlhf.trainer.engines import full_state_dict
-
     models = {"actor": trainer.actor, "critic": trainer.critic}
     state_dicts = {k: full_state_dict(e) for k, e in models.items() if e is not None}  # collective under ZeRO-3
     refuse_non_finite(state_dicts, final)
@@ -166,8 +166,6 @@ def reserve(root: Path, trainer, tokenizer, cfg, state, writer) -> None:
     """Have `writer` allocate the host buffers that a save of `trainer` into `root` will copy
     into, in its thread (`CheckpointWriter.reserve`). All ranks must call it; it writes only
     a scratch directory, removed again."""
-    from rlhf.trainer import dist as D
-
     scratch = Path(root) / ".tmp_reserve"
     files = _collect(scratch, trainer, tokenizer, cfg, state, {}, scratch)
     writer.reserve(files, scratch)
@@ -185,8 +183,6 @@ def _seal(tmp: Path, final: Path, digests: dict[str, str], after_seal) -> None:
 
 def _engine_files(engine, save_dir: Path) -> list:
     """DeepSpeed's engine state of this rank, collected (not yet written) as `TensorFile`s."""
-    from rlhf.round.checkpoint_io import TensorFile, capture_engine
-
     engine.checkpoint_engine = capture_engine()
     engine.save_checkpoint(str(save_dir), tag=ENGINE_TAG, save_latest=False)
     return [TensorFile(path=p, kind="state", tree=sd) for p, sd in engine.checkpoint_engine.captured]
@@ -195,8 +191,6 @@ def _engine_files(engine, save_dir: Path) -> list:
 def _write_small_files(tmp: Path, trainer, tokenizer, cfg, state, state_dicts: dict, extra: dict[str, Path]
                        ) -> list:
     """Rank 0: configs, tokenizers, `state.json` and `extra` now; the weights as `TensorFile`s."""
-    from rlhf.config.load import save_config
-
     files = hf_model_files(trainer.actor.module, state_dicts["actor"], tokenizer, tmp / "actor")
     if "critic" in state_dicts:
         files += hf_model_files(trainer.critic.module, state_dicts["critic"], tokenizer, tmp / "critic")
@@ -212,10 +206,7 @@ def hf_model_files(module, state_dict: dict, tokenizer, path: Path, merged: bool
     """A causal LM or a `ValueModel` as `save_pretrained` lays it out: its config and
     tokenizer written now, its (gathered) weights returned as `TensorFile`s to write.
     Tied weights are stored once, under the name `save_pretrained` keeps. A LoRA model is
-    saved as its adapters (`lora_checkpoint`) unless `state_dict` is `merged` already."""
-    from rlhf.round.checkpoint_io import TensorFile
-    from rlhf.models.load import VALUE_CONFIG_FILE, VALUE_HEAD_FILE
-
+    saved as its adapters (`rlhf.checkpoint.adapters`) unless `state_dict` is `merged` already."""
     if has_adapters(module) and not merged:
         return [TensorFile(f, "safetensors", t) for f, t in adapter_files(module, state_dict, tokenizer, path).items()]
     path.mkdir(parents=True, exist_ok=True)
@@ -244,10 +235,6 @@ def save_policy(path: Path, actor, tokenizer) -> Path:
     """The actor's current weights alone as `<path>/actor` (a model directory, replaced
     atomically; no optimizer state, no seal): what a rollout engine that reads files
     (vLLM) loads between checkpoints. All ranks must call it."""
-    from rlhf.round.checkpoint_io import TensorFile, run_file_jobs
-    from rlhf.trainer import dist as D
-    from rlhf.trainer.engines import full_state_dict
-
     path = Path(path)
     sd = full_state_dict(actor)  # collective under ZeRO-3
     if D.world()[0] == 0:
@@ -264,9 +251,6 @@ def save_policy(path: Path, actor, tokenizer) -> Path:
 
 def refuse_non_finite(state_dicts: dict, final: Path) -> None:
     """Raise `NonFiniteStateError` on every rank when any rank sees a NaN or inf weight."""
-    from rlhf.trainer.faults import NonFiniteStateError, non_finite_tensors
-    from rlhf.trainer import dist as D
-
     bad = non_finite_tensors(state_dicts)
     if D.all_reduce_max(torch.tensor(1.0 if bad else 0.0)).item() == 0:
         return
@@ -279,8 +263,6 @@ def refuse_non_finite(state_dicts: dict, final: Path) -> None:
 
 def read_state(path: Path):
     """The `RoundState` saved in checkpoint `path`."""
-    from rlhf.round.state import RoundState
-
     return RoundState.from_json((Path(path) / STATE_FILE).read_text())
 
 
@@ -288,8 +270,6 @@ def restore(trainer, path: Path, state=None):
     """Load the DeepSpeed engine state (optimizer, counters) of checkpoint `path` into
     `trainer`, whose modules were built from that checkpoint's safetensors, then the round state (`state`, or the one saved there) into its KL controller
     and skip counter. Returns that state. Engine files are read weights-only (no pickled code)."""
-    from rlhf.round.checkpoint_io import capture_engine, keep_module_weights
-
     path = Path(path)
     state = state if state is not None else read_state(path)
     for name, engine in (("actor", trainer.actor), ("critic", trainer.critic)):

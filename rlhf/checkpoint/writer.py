@@ -1,9 +1,9 @@
 """Checkpoint files written off the training loop's critical path, and checksummed.
 
-A save (`rlhf.round.checkpoint.save`) gathers references to the state it needs (model weights,
+A save (`rlhf.checkpoint.rounds.save`) gathers references to the state it needs (model weights,
 DeepSpeed's optimizer state) and hands them to a `CheckpointWriter`, whose thread copies
 them off the device into host buffers kept between saves and then writes, fsyncs and
-hashes each file (`rlhf.round.tensor_files`: in parallel pieces, hashed as written).
+hashes each file (`rlhf.checkpoint.tensor_files`: in parallel pieces, hashed as written).
 The trainer runs on meanwhile: the next round's rollout, evaluation and the forward and backward passes of its update read those tensors but do not change them;
 the first optimizer step does, so a step pre-hook makes it wait until the copy is done.
 Each rank writes its own files and then a marker holding their digests; rank 0's writer waits for every rank's marker, writes the manifest (every
@@ -14,7 +14,7 @@ DeepSpeed writes its engine state through `engine.checkpoint_engine`; `CaptureEn
 collects those state dicts instead of writing them, without the module weights (the
 checkpoint's safetensors already hold them, so no weight is stored twice); each is written
 as a skeleton with its tensors in a safetensors file beside it, and read back weights-only
-(files of earlier versions, plain `torch.save`, through `rlhf.trainer.safe_checkpoint`).
+(files of earlier versions, plain `torch.save`, through `rlhf.checkpoint.engine_state`).
 """
 
 from __future__ import annotations
@@ -24,15 +24,18 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
-log = logging.getLogger("rlhf.round.checkpoint")
+from rlhf.checkpoint.engine_state import load_weights_only
+from rlhf.checkpoint.pieces import hash_name
+from rlhf.checkpoint.tensor_files import data_path, load_device, load_state, save_state, write_safetensors
 
-from rlhf.round.tensor_files import file_digest, hash_name  # noqa: F401  (the manifest's digests)
+log = logging.getLogger("rlhf.checkpoint")
 
 MARKER_WAIT_S = 3600.0  # rank 0 gives up on a rank whose files never appear
 
@@ -47,10 +50,9 @@ def capture_engine(device: Optional[torch.device] = None):
     (the module weights left out) and loads weights-only: a state `save_state` wrote with its
     tensors on `device` where it has room (`load_device`), a plain `torch.save` file as
     `map_location` says."""
+    # deepspeed is heavy: loaded only by a save or restore, which has an engine already
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-    from rlhf.round.tensor_files import data_path, load_device, load_state
-    from rlhf.trainer.safe_checkpoint import load_weights_only
 
     class CaptureEngine(TorchCheckpointEngine):
         def __init__(self):
@@ -201,8 +203,6 @@ class SaveJob:
 def _write_all(files: list[TensorFile], trees: list, digest: str) -> list[dict[Path, str]]:
     """Write every file at once, one thread each (their pieces share the I/O pool, so
     several files fill it: on tmpfs, threads writing one file contend for it)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     if not files:
         return []
     with ThreadPoolExecutor(max_workers=len(files), thread_name_prefix="checkpoint-file") as ex:
@@ -211,8 +211,6 @@ def _write_all(files: list[TensorFile], trees: list, digest: str) -> list[dict[P
 
 def _write(path: Path, kind: str, tree, digest: str) -> dict[Path, str]:
     """Write one `TensorFile`'s state, fsynced; the digest of each file written."""
-    from rlhf.round.tensor_files import save_state, write_safetensors
-
     if kind == "safetensors":
         return {path: write_safetensors(path, tree, {"format": "pt"}, digest)}
     if kind == "state":

@@ -33,10 +33,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Optional
 
+from rlhf.checkpoint.pieces import file_digest
 from rlhf.config.schema import ConfigError
 from rlhf.trainer import dist as D
 
-log = logging.getLogger("rlhf.round.checkpoint")
+log = logging.getLogger("rlhf.checkpoint")
 
 _NAME = re.compile(r"^round_(\d{6})$")
 STATE_FILE = "state.json"
@@ -75,8 +76,6 @@ def why_incomplete(path: Path, checksums: bool = True, part: str = "") -> str:
 
 
 def _why_bad_file(f: Path, name: str, entry, algo: str | None, checksums: bool) -> str:
-    from rlhf.round.tensor_files import file_digest
-
     size = entry["size"] if isinstance(entry, dict) else entry  # size-only manifests of older versions
     if not f.is_file():
         return f"{name} is missing"

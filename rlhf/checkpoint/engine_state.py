@@ -23,6 +23,7 @@ class UnsafeCheckpointError(RuntimeError):
 def allowed_globals() -> list:
     """The DeepSpeed classes found in its ZeRO 0-3 optimizer state (loss scaler, ZeRO stage
     enum, parameter fragment addresses): plain value holders that run no code on load."""
+    # deepspeed is heavy: loaded only when a checkpoint's engine state is read
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address

@@ -21,7 +21,9 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from rlhf.checkpoint.pieces import file_digest, hash_name
 from rlhf.models import lora
+from rlhf.models.load import VALUE_CONFIG_FILE, VALUE_HEAD_FILE
 
 BASE_FILE = "base_model.json"
 # (dir, files' names, sizes and mtimes) -> the digests, being computed or done: each base is hashed once per process
@@ -49,8 +51,6 @@ def start_base_digest(base_dir: str) -> Future:
 
 
 def _digests(d: Path, names: list[str]) -> dict[str, str]:
-    from rlhf.round.tensor_files import file_digest, hash_name
-
     algo = hash_name()
     return {n: f"{algo}:{file_digest(d / n, algo)}" for n in names}
 
@@ -58,8 +58,6 @@ def _digests(d: Path, names: list[str]) -> dict[str, str]:
 def adapter_files(module, state_dict: dict, tokenizer, path: Path) -> dict[Path, dict]:
     """A LoRA model's checkpoint directory at `path`: its small files written now, the adapter
     (and value-head) tensors returned as {safetensors file: tensors} to write."""
-    from rlhf.models.load import VALUE_CONFIG_FILE, VALUE_HEAD_FILE
-
     root = lora.lora_root(module)
     base = root.peft_config[lora.ADAPTER_NAME].base_model_name_or_path or ""
     path.mkdir(parents=True, exist_ok=True)
@@ -97,8 +95,6 @@ def restore_adapters(module, adapter_dir: Path, base_dir: str) -> None:
     """Copy the adapters (and the critic's value head) saved in `adapter_dir` into `module`,
     whose adapters were just added to the base in `base_dir`."""
     from safetensors.torch import load_file
-
-    from rlhf.models.load import VALUE_HEAD_FILE
 
     check_base(adapter_dir, base_dir)
     root = lora.lora_root(module)

@@ -3,196 +3,34 @@
 A checkpoint of a 1.5B actor and critic is about 43 GB (bf16 weights, float32 master
 weights and AdamW moments); one thread with `torch.save`, `torch.load` and a read-back
 hash moves it at under 1 GB/s. Here every file is cut into `CHUNK`-byte pieces at fixed
-offsets, and a pool of `IO_THREADS` threads each copies its piece off the device into a
-pinned staging buffer, writes it with `pwrite` and hashes it from that buffer (no read
-back); a read fills pieces with `preadv` and copies them onto the device.
+offsets, and a pool of I/O threads each copies its piece off the device into a pinned
+staging buffer, writes it with `pwrite` and hashes it from that buffer (no read back); a
+read fills pieces with `preadv` and copies them onto the device (`rlhf.checkpoint.pieces`:
+the pool, the buffers and the digests).
 
 - Tensors go into safetensors files, the format HF and vLLM read (`write_safetensors`,
   `read_safetensors`).
 - A nested state (DeepSpeed's optimizer state) is a small `torch.save` skeleton in which
   every tensor is a reference, next to a `<name>.safetensors` holding the tensors
   (`save_state`, `load_state`); both are read weights-only.
-- A file's digest is a tree (`<hash>/64MiB`): the hash of its pieces' hashes, so pieces are
-  hashed in parallel as they are written and when verified; `file_digest` also checks the
-  plain streaming digests that earlier manifests name.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import queue
 import struct
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-CHUNK = 64 << 20  # bytes per piece: the unit of parallel writing, reading and hashing
-TREE = "/64MiB"  # suffix of a tree digest's name
+from rlhf.checkpoint.engine_state import load_weights_only
+from rlhf.checkpoint.pieces import (CHUNK, combine, copy_stream, file_digest, hash_name, piece_digest, pread_into,
+                                    pwrite_all, run_all, staging)
+
 TENSOR_REF = "__tensor_ref__"  # a skeleton's placeholder key for a tensor stored beside it
 DATA_SUFFIX = ".safetensors"  # a state skeleton `x` keeps its tensors in `x.safetensors`
-
-
-def _io_threads() -> int:
-    """`RLHF_IO_THREADS` if set, else the cores this process may use, at most 8."""
-    if os.environ.get("RLHF_IO_THREADS"):
-        return max(1, int(os.environ["RLHF_IO_THREADS"]))
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cpus = os.cpu_count() or 1
-    return max(1, min(8, cpus))
-
-
-IO_THREADS = _io_threads()
-_POOL: Optional[ThreadPoolExecutor] = None
-_POOL_LOCK = threading.Lock()
-
-
-def _pool() -> ThreadPoolExecutor:
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="tensor-io")
-        return _POOL
-
-
-def _run_all(fn, items) -> list:
-    """`fn(item)` for every item on the I/O pool; the first error is raised once all are done."""
-    futures = [_pool().submit(fn, it) for it in items]
-    errors = [f.exception() for f in futures]
-    first = next((e for e in errors if e is not None), None)
-    if first is not None:
-        raise first
-    return [f.result() for f in futures]
-
-
-# ---------------------------------------------------------------------------------
-# Digests
-# ---------------------------------------------------------------------------------
-
-
-def hash_name() -> str:
-    """The digest new manifests use: a tree over `CHUNK`-byte pieces of xxh3_128 (about 8-14
-    GB/s on one core) where xxhash is installed, else of blake2b."""
-    try:
-        import xxhash  # noqa: F401
-
-        return "xxh3_128" + TREE
-    except ImportError:
-        return "blake2b" + TREE
-
-
-def _hasher(name: str):
-    base = name[: -len(TREE)] if name.endswith(TREE) else name
-    if base == "xxh3_128":
-        import xxhash
-
-        return xxhash.xxh3_128()
-    if base == "blake2b":
-        import hashlib
-
-        return hashlib.blake2b(digest_size=16)
-    raise ValueError(f"unknown checkpoint digest '{name}' (this version knows xxh3_128 and blake2b, "
-                     f"plain or with {TREE})")
-
-
-def _piece_digest(name: str, data) -> bytes:
-    h = _hasher(name)
-    h.update(data)
-    return h.digest()
-
-
-def _combine(name: str, pieces: list[bytes]) -> str:
-    h = _hasher(name)
-    for p in pieces:
-        h.update(p)
-    return h.hexdigest()
-
-
-def file_digest(path: Path, name: str) -> str:
-    """The hex digest `name` of a file's bytes (tree digests hashed in parallel pieces)."""
-    path = Path(path)
-    if not name.endswith(TREE):
-        h, buf = _hasher(name), bytearray(16 << 20)
-        view = memoryview(buf)
-        with open(path, "rb", buffering=0) as f:
-            while n := f.readinto(buf):
-                h.update(view[:n])
-        return h.hexdigest()
-    size = path.stat().st_size
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        def piece(off: int) -> bytes:
-            with _staging(pinned=False) as buf:
-                n = min(CHUNK, size - off)
-                view = memoryview(buf.numpy())[:n]
-                _pread_into(fd, view, off)
-                return _piece_digest(name, view)
-
-        return _combine(name, _run_all(piece, range(0, size, CHUNK)))
-    finally:
-        os.close(fd)
-
-
-# ---------------------------------------------------------------------------------
-# Staging buffers, kept between calls (pinned ones are slow to allocate)
-# ---------------------------------------------------------------------------------
-
-
-_FREE: dict[bool, "queue.SimpleQueue[torch.Tensor]"] = {True: queue.SimpleQueue(), False: queue.SimpleQueue()}
-_MADE = {True: 0, False: 0}
-_MADE_LOCK = threading.Lock()
-
-
-class _staging:
-    """A `CHUNK`-byte uint8 host buffer for the duration of a `with` (at most `IO_THREADS` of each kind exist)."""
-
-    def __init__(self, pinned: bool):
-        self.pinned = pinned and torch.cuda.is_available()
-
-    def __enter__(self) -> torch.Tensor:
-        q = _FREE[self.pinned]
-        with _MADE_LOCK:
-            make = q.empty() and _MADE[self.pinned] < IO_THREADS
-            if make:
-                _MADE[self.pinned] += 1
-        self.buf = torch.empty(CHUNK, dtype=torch.uint8, pin_memory=self.pinned) if make else q.get()
-        return self.buf
-
-    def __exit__(self, *exc) -> None:
-        _FREE[self.pinned].put(self.buf)
-
-
-_LOCAL = threading.local()
-
-
-def _stream(device: torch.device):
-    """This thread's copy stream on `device`."""
-    streams = getattr(_LOCAL, "streams", None)
-    if streams is None:
-        streams = _LOCAL.streams = {}
-    if device not in streams:
-        streams[device] = torch.cuda.Stream(device=device)
-    return streams[device]
-
-
-def _pread_into(fd: int, view: memoryview, off: int) -> None:
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], off + done)
-        if n == 0:
-            raise EOFError(f"file ended {len(view) - done} bytes early at offset {off + done}")
-        done += n
-
-
-def _pwrite_all(fd: int, view: memoryview, off: int) -> None:
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], off + done)
 
 
 # ---------------------------------------------------------------------------------
@@ -254,14 +92,14 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: Op
             if len(parts) == 1 and not parts[0][2].is_cuda:  # inside one host tensor: write it directly
                 a, b, src = parts[0]
                 view = memoryview(src[a:b].numpy())
-                _pwrite_all(fd, view, off)
-                return _piece_digest(digest, view)
-            with _staging(pinned) as buf:
+                pwrite_all(fd, view, off)
+                return piece_digest(digest, view)
+            with staging(pinned) as buf:
                 stream = None
                 pos = 0
                 for a, b, src in parts:
                     if src.is_cuda and stream is None:
-                        stream = _stream(src.device)
+                        stream = copy_stream(src.device)
                     if src.is_cuda:
                         with torch.cuda.stream(stream):
                             buf[pos:pos + b - a].copy_(src[a:b], non_blocking=True)
@@ -271,15 +109,15 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: Op
                 if stream is not None:
                     stream.synchronize()
                 view = memoryview(buf.numpy())[:end - off]
-                _pwrite_all(fd, view, off)
-                return _piece_digest(digest, view)
+                pwrite_all(fd, view, off)
+                return piece_digest(digest, view)
 
-        pieces = _run_all(piece, range(0, size, CHUNK))
+        pieces = run_all(piece, range(0, size, CHUNK))
         if fsync:
             os.fsync(fd)  # the seal says the bytes are durable, not only in the page cache
     finally:
         os.close(fd)
-    return _combine(digest, pieces)
+    return combine(digest, pieces)
 
 
 def _overlapping(segments: list, start: int, end: int) -> list:
@@ -326,11 +164,11 @@ def read_safetensors(path: Path, device: torch.device | str = "cpu") -> dict[str
             parts = _overlapping(segments, off, end)  # the data has no gaps: they fill [off, end)
             if len(parts) == 1 and device.type == "cpu":
                 a, b, dst = parts[0]
-                _pread_into(fd, memoryview(dst[a:b].numpy()), off)
+                pread_into(fd, memoryview(dst[a:b].numpy()), off)
                 return
-            with _staging(pinned=device.type == "cuda") as buf:
-                _pread_into(fd, memoryview(buf.numpy())[:end - off], off)
-                stream = _stream(device) if device.type == "cuda" else None
+            with staging(pinned=device.type == "cuda") as buf:
+                pread_into(fd, memoryview(buf.numpy())[:end - off], off)
+                stream = copy_stream(device) if device.type == "cuda" else None
                 pos = 0
                 for a, b, dst in parts:
                     if stream is not None:
@@ -342,7 +180,7 @@ def read_safetensors(path: Path, device: torch.device | str = "cpu") -> dict[str
                 if stream is not None:
                     stream.synchronize()
 
-        _run_all(piece, range(start, size, CHUNK))
+        run_all(piece, range(start, size, CHUNK))
     finally:
         os.close(fd)
     return out
@@ -402,8 +240,6 @@ def save_state(path: Path, tree, digest: Optional[str] = None) -> dict[Path, str
 
 def load_state(path: Path, device: torch.device | str = "cpu"):
     """The nested state `save_state` wrote at `path`, its tensors on `device` (weights-only)."""
-    from rlhf.trainer.safe_checkpoint import load_weights_only  # DeepSpeed's config types allowed
-
     skeleton = load_weights_only(str(path), map_location="cpu")
     return join_tensors(skeleton, read_safetensors(data_path(path), device))
 

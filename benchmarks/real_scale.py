@@ -112,9 +112,11 @@ def summarize(records: list[dict], compute_keys: tuple[str, ...]) -> dict:
             "bytes_read_mean": sum(r["bytes_read"] for r in records) / len(records)}
 
 
-def rollout_corr(run) -> dict[str, float]:
-    """The round's last step's rollout/trainer mismatch metrics (verl's names)."""
-    return {k: v for k, v in run.last_step.items() if k.startswith(("rollout_corr/", "training/rollout_probs"))}
+def rollout_corr(result) -> dict[str, float]:
+    """The round's last step's rollout/trainer mismatch metrics (verl's names); `result` the
+    round's update (`rlhf.train.step.StepResult`)."""
+    last = result.steps[-1] if result.steps else {}
+    return {k: v for k, v in last.items() if k.startswith(("rollout_corr/", "training/rollout_probs"))}
 
 
 def free_device() -> None:
@@ -171,12 +173,12 @@ def run_in_process(cfg, rounds: int, device: torch.device) -> dict:
         for _ in range(rounds):
             rec.start()
             DELETED.clear()
-            run.round()
+            result, _ = run.round()
             parts = {k: v for k, v in run.timing.items() if k.startswith("timing_s/")}
             deleted = sum(DELETED)
             stall = parts.get("timing_s/save_checkpoint", 0.0) + parts.get("timing_s/checkpoint_wait", 0.0) - deleted
             rec.add(parts, checkpoint_stall_s=stall, benchmark_delete_s=deleted, writer_busy_after_round=run.writer.busy,
-                    rollout_corr=rollout_corr(run))
+                    rollout_corr=rollout_corr(result))
         t = time.perf_counter()
         final_wait = run.flush()
         flushed = time.perf_counter() - t
@@ -265,12 +267,12 @@ def run_colocated(cfg, rounds: int, device: torch.device) -> dict:
     uploads: list[tuple[str, float]] = []
     rec = Rounds(device)
 
-    def on_round(run) -> None:  # after the round's checkpoint step (a save, or the host buffers reserved)
+    def on_round(run, result) -> None:  # after the round's checkpoint step (a save, or host buffers reserved)
         parts = {k: v for k, v in run.timing.items() if k.startswith("timing_s/")}
         deleted = sum(DELETED)
         stall = parts.get("timing_s/save_checkpoint", 0.0) + parts.get("timing_s/checkpoint_wait", 0.0) - deleted
         rec.add(parts, checkpoint_stall_s=stall, benchmark_delete_s=deleted, writer_busy_after_round=run.writer.busy,
-                rollout_corr=rollout_corr(run))
+                rollout_corr=rollout_corr(result))
         DELETED.clear()
         rec.start()
 

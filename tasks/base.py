@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import click
 import flytekitplugins.pandera  # noqa: F401  (registers the pandera DataFrame type)
@@ -32,6 +32,9 @@ describe_fields()
 Prompts = DataFrame[PromptSchema]
 Rollouts = DataFrame[RolloutSchema]
 Scored = DataFrame[ScoredRolloutSchema]
+# A round's rows after a stage, with the round's stage timings so far (`timing_s/gen`, `timing_s/reward`).
+Rolled = NamedTuple("Rolled", [("rollouts", Rollouts), ("timing", dict[str, float])])
+ScoredRound = NamedTuple("ScoredRound", [("scored", Scored), ("timing", dict[str, float])])
 
 CACHE_VERSION = "1"  # bump when a cached task's code changes its outputs
 GPU = H100  # the accelerator GPU tasks ask for; one constant to change per cluster

@@ -15,6 +15,7 @@ from flytekit.types.error import FlyteError
 from containers.images import CPU_IMAGE
 from rlhf.train import stateless as P
 from rlhf.train import setup as S
+from rlhf.train.report import end_summary, publish
 from rlhf.config.load import load_config, replace
 from rlhf.config.schema import ConfigError, PPOConfig
 from rlhf.config.sizes import derive_sizes
@@ -155,19 +156,15 @@ def report(cfg: PPOConfig, state: RoundState, run_id: str, model: Optional[Flyte
     """The metrics table (one row per step, val scores merged), the final deck with the stop
     reason, the summary, config, curves and final policy reference in the tracker (the MLflow
     run is closed here), and the end-of-run table on the console."""
-    from rlhf.tracking.artifacts import log_results
-
     reason = P.stop_reason(cfg, state)
     Deck(DECK, training_html(state, reason))
     table = P.metrics_table(state)
     Deck("metrics table", table.to_html(index=False, float_format=lambda x: f"{x:.5g}"))
     sink = S.tracking_sink(cfg, run_id, state)
-    summary = P.summary(cfg, state)
+    summary = end_summary(cfg, state)
     policy = (getattr(model, "remote_source", None) or model.path) if model is not None else ""
     with retry_transient():
-        sink.log_metrics({k: v for k, v in summary.items() if isinstance(v, (int, float))}, step=state.global_step)
-        sink.set_tags({"stop_reason": reason})
-        log_results(sink, cfg, state, reason, str(policy), cfg.trainer.output_dir)
+        publish(sink, cfg, state, summary, str(policy), cfg.trainer.output_dir)
         sink.close()
     print_results(cfg, summary, str(policy), run_id)
     return table

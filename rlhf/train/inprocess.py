@@ -154,8 +154,9 @@ class Run:
         weights, the steps' metrics logged; the state moved on (round, global step, KL)."""
         hooks = Hooks(share=self._update_share, release=self._release, stalled=self.writer.take_stalled,
                       sync=self.sync_engine)
-        result = update_step(self.cfg, self.trainer, self.tokenizer, self.state, self._generate(), self, self.sink,
-                             self.profiler, hooks)
+        rows = self._generate()  # moves the state's sampling position on
+        result = update_step(self.cfg, self.trainer, self.tokenizer, self.state, rows, self, self.sink, self.profiler,
+                             hooks)
         self.state, self.timing = result.state, dict(result.timing)
         return result
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 from datetime import datetime
 from pathlib import Path
 from typing import NamedTuple, Optional, Union
 
 import pandas as pd
 from flytekit import Deck, task
+from flytekit.core.context_manager import FlyteContextManager
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.error import FlyteError
 
@@ -17,12 +19,15 @@ from rlhf.train import stateless as P
 from rlhf.train import setup as S
 from rlhf.train.report import end_summary, publish
 from rlhf.config.load import load_config, replace
+from rlhf.config.redact import redact
 from rlhf.config.schema import ConfigError, PPOConfig
 from rlhf.config.sizes import derive_sizes
 from rlhf.tracking.plots import training_html
+from rlhf.tracking.results import summary_rows, summary_table
 from rlhf.round.state import RoundState
 from tasks.base import (CPU_SMALL, DECK, DECK_FIELDS, TRACKING_SECRETS, TRANSIENT, LaunchError, launch_seconds,
                         retry_transient)
+from tasks.registry import registry_uri
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +78,6 @@ def start_tracking(cfg: PPOConfig) -> str:
 def launch() -> str:
     """This launch's key for `rlhf.tracking.status` (the Flyte execution; plus host and process locally)."""
     from flytekit import current_context
-    from flytekit.core.context_manager import FlyteContextManager
 
     from rlhf.tracking.status import launch_key
 
@@ -103,8 +107,6 @@ def fail_retrain_tracking(cfg: PPOConfig, train_files: str, val_files: str, mode
 
 def _fail_runs(cfg: PPOConfig, err: Optional[FlyteError]) -> None:
     from rlhf.tracking.status import fail_launch_runs
-    from tasks.registry import registry_uri
-
     if "mlflow" not in cfg.trainer.logger:
         return
     with retry_transient():
@@ -161,7 +163,9 @@ def report(cfg: PPOConfig, state: RoundState, run_id: str, model: Optional[Flyte
     table = P.metrics_table(state)
     Deck("metrics table", table.to_html(index=False, float_format=lambda x: f"{x:.5g}"))
     sink = S.tracking_sink(cfg, run_id, state)
-    summary = end_summary(cfg, state)
+    wall = launch_seconds()
+    summary = end_summary(cfg, state, **({} if wall is None else {"wall_s": wall}),
+                          world_size=cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node)
     policy = (getattr(model, "remote_source", None) or model.path) if model is not None else ""
     with retry_transient():
         publish(sink, cfg, state, summary, str(policy), cfg.trainer.output_dir)
@@ -171,21 +175,11 @@ def report(cfg: PPOConfig, state: RoundState, run_id: str, model: Optional[Flyte
 
 
 def print_results(cfg: PPOConfig, summary: dict, policy: str, run_id: str) -> None:
-    """The end-of-run table: scores, stop reason, wall time, and where outputs, policy, decks and
-    the MLflow run are (flytekit's deck files lie under its local sandbox in a local execution)."""
-    import os
-
-    from flytekit.core.context_manager import FlyteContextManager
-
-    from rlhf.config.redact import redact
-    from rlhf.tracking.results import summary_rows, summary_table
-    from tasks.registry import registry_uri
-
+    """The end-of-run table: scores, stop reason, wall time (the summary's), and where outputs,
+    policy, decks and the MLflow run are (flytekit's deck files lie under its local sandbox in
+    a local execution)."""
     ctx = FlyteContextManager.current_context()
     out = os.path.abspath(cfg.trainer.output_dir)
-    wall = launch_seconds()
-    if wall is not None:
-        summary = {**summary, "wall_s": wall}
     where = {"outputs": out, "final policy": policy,
              "decks": f"{out}/run_artifacts/training.html; flytekit's deck.html files under "
                       f"{ctx.file_access.local_sandbox_dir}",

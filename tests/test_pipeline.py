@@ -198,8 +198,9 @@ def _side_effects(out: Path, rows: Path, checkpoints: list[Path], keys: dict[int
 
 
 def _same_side_effects(loop: dict, other: dict, granularity: str) -> None:
-    print(granularity, {k: v for k, v in other.items() if k != "rows"}, "\nLOOP", {k: v for k, v in loop.items() if k != "rows"})
-    assert other["keys"] == loop["keys"], granularity
+    assert other["keys"].keys() == loop["keys"].keys(), granularity
+    for step, keys in loop["keys"].items():
+        assert other["keys"][step] == keys, (granularity, step, set(other["keys"][step]) ^ set(keys))
     assert list(other["rows"]) == list(loop["rows"]) == [f"round_{r:06d}.parquet" for r in range(1, 5)], granularity
     for name, table in loop["rows"].items():
         pd.testing.assert_frame_equal(other["rows"][name], table, check_like=True, obj=f"{granularity}: {name}")

@@ -203,11 +203,18 @@ class Run:
         return verdict
 
     def evaluate(self) -> float:
-        """Validate the current policy: the score, recorded in the state and logged."""
-        self.state, metrics, samples = S.evaluate(self.engine, self.tokenizer, self.data.val, self.cfg,
+        """Validate the current policy: the score, recorded in the state and logged with the
+        validation's seconds (`timing_s/testing`, of which `timing_s/testing_engine_build`
+        building the engine, 0 once built), as the validation task logs them."""
+        t = time.perf_counter()
+        engine = self.engine
+        built = _lap(t)
+        self.state, metrics, samples = S.evaluate(engine, self.tokenizer, self.data.val, self.cfg,
                                                   self.reward_model, self.state)
+        metrics.update({"timing_s/testing": _lap(t), "timing_s/testing_engine_build": built})
         if self.rank == 0:
-            S.log_evaluation(self.sink, self.state.global_step, metrics, samples, self.out)
+            # the run's artifacts, where the validation task writes them (a segment's `out` holds its checkpoints)
+            S.log_evaluation(self.sink, self.state.global_step, metrics, samples, self.cfg.trainer.output_dir)
         return stages.val_score(metrics)
 
     # -- checkpoints and weights ------------------------------------------------------------

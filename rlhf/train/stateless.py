@@ -188,6 +188,9 @@ def update_from_checkpoint(cfg: PPOConfig, base_model_dir: str, checkpoint_dir: 
     final = S.save_checkpoint(proc.out, trainer, tokenizer, cfg, result.state, extra={"profile": traces / "profile"},
                               on_sealed=lambda path: shutil.rmtree(traces, ignore_errors=True))
     load_timing["timing_s/save_checkpoint"] = time.perf_counter() - t
+    if sink is not None and proc.rank == 0:  # as the in-process driver logs its checkpoint step
+        sink.log_metrics({"timing_s/save_checkpoint": load_timing["timing_s/save_checkpoint"]},
+                         step=result.state.global_step)
     return UpdateResult(checkpoint=str(final), state=result.state, steps=result.steps,
                         timing={**load_timing, "timing_s/update": result.timing["timing_s/update"]},
                         rollouts_path=result.rollouts_path)

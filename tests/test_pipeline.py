@@ -98,7 +98,7 @@ def test_update_from_checkpoint_chains_rounds(base_model, tmp_path):
     state carried, optimizer state restored (the second update differs from a fresh one)."""
     from safetensors.torch import load_file
 
-    cfg = cfg_for(tmp_path, base_model)
+    cfg = cfg_for(tmp_path, base_model, f"trainer.rollout_data_dir={tmp_path / 'rows'}")
     data = P.prepare_dataset(cfg.data)
     state = RoundState.initial(cfg)
     checkpoint = None
@@ -108,11 +108,16 @@ def test_update_from_checkpoint_chains_rounds(base_model, tmp_path):
 
         prompts, state = stages.sample_prompts(data.train, state, cfg)
         rollouts, gen = P.rollout_policy(cfg, policy, prompts, state)
-        scored = P.score_rollouts(cfg, rollouts)
-        res = P.update_from_checkpoint(cfg, base_model, checkpoint, scored, state, str(tmp_path / f"u{r}"))
+        scored, timing = P.score_timed(cfg, rollouts, P.gen_timing(gen))
+        res = P.update_from_checkpoint(cfg, base_model, checkpoint, scored, state, str(tmp_path / f"u{r}"),
+                                       timing=timing)
         assert Path(res.checkpoint).name == f"round_00000{r + 1}"
         assert res.state.round == r + 1 and res.state.global_step == r + 1
         assert len(res.steps) == 1 and "perf/throughput" in res.steps[0] and gen["timing_s/gen"] > 0
+        # the stage driver stores the scored rollouts and logs the generation's timings, as the others do
+        assert res.rollouts_path == str(tmp_path / "rows" / f"round_00000{r + 1}.parquet")
+        pd.testing.assert_frame_equal(pd.read_parquet(res.rollouts_path), scored, check_like=True)
+        assert res.steps[0]["timing_s/gen"] == gen["timing_s/gen"] and res.steps[0]["timing_s/reward"] > 0
         assert res.state.kl_coef != state.kl_coef, "the adaptive KL coefficient did not move"
         state, checkpoint, policy = res.state, res.checkpoint, res.policy
     before, after = load_file(f"{base_model}/model.safetensors"), load_file(f"{policy}/model.safetensors")

@@ -106,7 +106,7 @@ def our_lane(lane: str, seed: int, out_dir: str, seconds: float, overrides: list
     clock, reason = 0.0, ""
     while clock < seconds and not reason:
         t = time.perf_counter()
-        verdict = run.round()
+        _, verdict = run.round()
         clock += time.perf_counter() - t
         reason = verdict.reason if verdict.stop else ""
         if due(clock, seconds, every, curve[-1]["clock_s"]) or reason:

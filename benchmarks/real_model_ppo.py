@@ -31,11 +31,12 @@ def zero_spread_fraction(scored) -> float:
     return float((scored.groupby("group_id")["score"].nunique() == 1).mean())
 
 
-def round_record(run, t_train: float) -> dict:
-    """The round's metrics (its last PPO step's, and the zero-spread fraction of its groups)."""
+def round_record(run, result, t_train: float) -> dict:
+    """The round's metrics (its last PPO step's, and the zero-spread fraction of its groups);
+    `result` the round's update (`rlhf.train.step.StepResult`)."""
     last = run.state.step_history[-1] if run.state.step_history else {}
     out = {"round": run.state.round, "global_step": run.state.global_step, "train_s": round(t_train, 2),
-           "frac_groups_zero_spread": zero_spread_fraction(run.last_scored)}
+           "frac_groups_zero_spread": zero_spread_fraction(result.scored)}
     return out | {k: float(last[k]) for k in ROUND_KEYS if k in last}
 
 
@@ -55,10 +56,11 @@ def run_ppo_lane(a) -> dict:
     stop, history = "", []
     while curve.t_train < a.budget and not stop:
         t = time.perf_counter()
-        verdict = run.end_round(run.update_round())
+        result = run.update_round()
+        verdict = run.end_round(result.steps)
         curve.t_train += time.perf_counter() - t
         stop = verdict.reason if verdict.stop else ""
-        history.append(round_record(run, curve.t_train))
+        history.append(round_record(run, result, curve.t_train))
         print(f"round {run.state.round} train {curve.t_train:.0f}s "
               f"score {history[-1].get('critic/score/mean', 0):.3f} "
               f"zero-spread groups {history[-1]['frac_groups_zero_spread']:.2f}", flush=True)

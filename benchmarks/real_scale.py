@@ -112,15 +112,17 @@ def summarize(records: list[dict], compute_keys: tuple[str, ...]) -> dict:
             "bytes_read_mean": sum(r["bytes_read"] for r in records) / len(records)}
 
 
-def rollout_corr(run) -> dict[str, float]:
-    """The round's last step's rollout/trainer mismatch metrics (verl's names)."""
-    return {k: v for k, v in run.last_step.items() if k.startswith(("rollout_corr/", "training/rollout_probs"))}
+def rollout_corr(result) -> dict[str, float]:
+    """The round's last step's rollout/trainer mismatch metrics (verl's names); `result` the
+    round's update (`rlhf.train.step.StepResult`)."""
+    last = result.steps[-1] if result.steps else {}
+    return {k: v for k, v in last.items() if k.startswith(("rollout_corr/", "training/rollout_probs"))}
 
 
-def update_parts(run, cfg) -> dict[str, float]:
+def update_parts(result, cfg) -> dict[str, float]:
     """Tokens (prompt and response) the round's update passes over and the seconds of the
-    actor's and the critic's optimisation, from its step metrics (one step a round)."""
-    m = run.last_step
+    actor's and the critic's optimisation, from its last step's metrics (one step a round)."""
+    m = result.steps[-1] if result.steps else {}
     n = cfg.data.train_batch_size * cfg.rollout.n
     return {"tokens": n * (m.get("prompt_length/mean", 0.0) + m.get("response_length/mean", 0.0)),
             **{f"{r}_s": m[f"timing_s/{r}"] for r in ("update_actor", "update_critic") if f"timing_s/{r}" in m}}
@@ -202,12 +204,12 @@ def run_in_process(cfg, rounds: int, device: torch.device) -> dict:
         for _ in range(rounds):
             rec.start()
             DELETED.clear()
-            run.round()
+            result, _ = run.round()
             parts = {k: v for k, v in run.timing.items() if k.startswith("timing_s/")}
             deleted = sum(DELETED)
             stall = parts.get("timing_s/save_checkpoint", 0.0) + parts.get("timing_s/checkpoint_wait", 0.0) - deleted
             rec.add(parts, checkpoint_stall_s=stall, benchmark_delete_s=deleted, writer_busy_after_round=run.writer.busy,
-                    rollout_corr=rollout_corr(run), **update_parts(run, cfg))
+                    rollout_corr=rollout_corr(result), **update_parts(result, cfg))
         t = time.perf_counter()
         final_wait = run.flush()
         flushed = time.perf_counter() - t
@@ -296,12 +298,12 @@ def run_colocated(cfg, rounds: int, device: torch.device) -> dict:
     uploads: list[tuple[str, float]] = []
     rec = Rounds(device)
 
-    def on_round(run) -> None:  # after the round's checkpoint step (a save, or the host buffers reserved)
+    def on_round(run, result) -> None:  # after the round's checkpoint step (a save, or host buffers reserved)
         parts = {k: v for k, v in run.timing.items() if k.startswith("timing_s/")}
         deleted = sum(DELETED)
         stall = parts.get("timing_s/save_checkpoint", 0.0) + parts.get("timing_s/checkpoint_wait", 0.0) - deleted
         rec.add(parts, checkpoint_stall_s=stall, benchmark_delete_s=deleted, writer_busy_after_round=run.writer.busy,
-                rollout_corr=rollout_corr(run), **update_parts(run, cfg))
+                rollout_corr=rollout_corr(result), **update_parts(result, cfg))
         DELETED.clear()
         rec.start()
 

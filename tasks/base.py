@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import click
 import flytekitplugins.pandera  # noqa: F401  (registers the pandera DataFrame type)
@@ -21,6 +21,7 @@ from flytekit.extras.accelerators import H100
 from flytekit.types.directory import FlyteDirectory
 from pandera.typing import DataFrame
 
+from rlhf.checkpoint.rounds import MANIFEST_FILE
 from rlhf.config.doc import describe_fields
 from rlhf.config.schema import ConfigError
 from schemas.prompts import PromptSchema, RolloutSchema, ScoredRolloutSchema
@@ -32,6 +33,9 @@ describe_fields()
 Prompts = DataFrame[PromptSchema]
 Rollouts = DataFrame[RolloutSchema]
 Scored = DataFrame[ScoredRolloutSchema]
+# A round's rows after a stage, with the round's stage timings so far (`timing_s/gen`, `timing_s/reward`).
+Rolled = NamedTuple("Rolled", [("rollouts", Rollouts), ("timing", dict[str, float])])
+ScoredRound = NamedTuple("ScoredRound", [("scored", Scored), ("timing", dict[str, float])])
 
 CACHE_VERSION = "1"  # bump when a cached task's code changes its outputs
 GPU = H100  # the accelerator GPU tasks ask for; one constant to change per cluster
@@ -111,8 +115,6 @@ def _local(directory: FlyteDirectory, policy: bool) -> str:
 def _fetch_manifest(ctx, src: str, into: Path) -> None:
     """The manifest of the checkpoint a policy URI lies in, into `into`; none when the policy is
     not inside a checkpoint (a base model)."""
-    from rlhf.checkpoint.rounds import MANIFEST_FILE
-
     parent = src.rstrip("/").rsplit("/", 1)[0]
     try:
         ctx.file_access.get_data(f"{parent}/{MANIFEST_FILE}", str(into / MANIFEST_FILE))

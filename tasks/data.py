@@ -9,6 +9,8 @@ from flytekit import Cache, task
 from flytekit.types.directory import FlyteDirectory
 
 from containers.images import CPU_IMAGE
+from rlhf.data.checks import check_fit
+from rlhf.models.load import load_tokenizer
 from rlhf.train import stateless as P
 from rlhf.round import stages
 from rlhf.config.schema import DataConfig, ModelConfig, PPOConfig
@@ -61,9 +63,6 @@ Fitted = NamedTuple("Fitted", [("train", Prompts), ("val", Prompts)])
 def fit_prompts(cfg: PPOConfig, train: Prompts, val: Prompts, policy: FlyteDirectory) -> Fitted:
     """The train and val prompts that fit in `data.max_prompt_length` tokens of the policy's
     tokenizer when `data.filter_overlong_prompts` (the rest dropped and counted in the log)."""
-    from rlhf.data.checks import check_fit
-    from rlhf.models.load import load_tokenizer
-
     if cfg.data.filter_overlong_prompts:
         tokenizer = load_tokenizer(policy.download(), trust_remote_code=cfg.model.trust_remote_code)
         train, val = stages.fit_prompts(train, tokenizer, cfg, "train"), stages.fit_prompts(val, tokenizer, cfg, "val")

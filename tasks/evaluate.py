@@ -9,7 +9,9 @@ from flytekit.types.directory import FlyteDirectory
 
 from containers.images import CPU_IMAGE, GPU_IMAGE
 from rlhf.train import stateless as P
+from rlhf.train import report
 from rlhf.train import setup as S
+from rlhf.train.report import RoundClock
 from rlhf.round import stages
 from rlhf.config.schema import PPOConfig
 from rlhf.tracking.plots import metrics_html, training_html
@@ -79,24 +81,13 @@ def decide(cfg: PPOConfig, state: RoundState, steps: list[dict[str, float]],
     return Decided(state=new, stop=verdict.stop, reason=verdict.reason)
 
 
-# (monotonic time, round) of the first round line this process printed: in a local execution
-# every round's `decide` runs in one process, so later lines time whole rounds, Flyte included.
-_FIRST_LINE: list[tuple[float, int]] = []
+# In a local execution every round's `decide` runs in one process, so after its first line the
+# clock times whole rounds, Flyte included; in a task's own pod, the first round's line takes its
+# time from the round's stage timings.
+_CLOCK = RoundClock()
 
 
 def print_round(cfg: PPOConfig, state: RoundState, steps: list[dict[str, float]]) -> None:
-    """The round's console line (as `rlhf.train` prints it); the ETA from the rounds timed in
-    this process, else (a task's own pod, the first round) from this round's stage timings."""
-    import time
-
-    from rlhf.tracking.progress import print_line, round_line, round_seconds
-
-    now = time.monotonic()
-    if not _FIRST_LINE or state.round <= _FIRST_LINE[0][1]:
-        _FIRST_LINE[:] = [(now, state.round)]
-        per_round = round_seconds(steps)
-    else:
-        per_round = (now - _FIRST_LINE[0][0]) / (state.round - _FIRST_LINE[0][1])
+    """The round's console line (as `rlhf.train` prints it, `report.print_round`)."""
     elapsed = launch_seconds()
-    print_line(round_line(state.round, cfg.trainer.total_rounds, state.global_step, steps[-1] if steps else {},
-                          state.last_val, float("nan") if elapsed is None else elapsed, per_round))
+    report.print_round(cfg, state, steps, float("nan") if elapsed is None else elapsed, _CLOCK)

@@ -3,25 +3,36 @@
 from __future__ import annotations
 
 import logging
+import os
 from datetime import datetime
 from pathlib import Path
 from typing import Optional, Union
 
 import pandas as pd
 from flytekit import Deck, task
+from flytekit.core.context_manager import FlyteContextManager
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.error import FlyteError
 
 from containers.images import CPU_IMAGE
+from rlhf.checkpoint import rounds as ckpt
+from rlhf.config.verl_defaults import defaults_line
 from rlhf.train import stateless as P
+from rlhf.train.check import CheckFailed, preflight
+from rlhf.tracking.progress import quiet_progress_bars
+from rlhf.tracking.status import LAUNCH_TAG, fail_launch_runs, launch_key
 from rlhf.train import setup as S
+from rlhf.train.report import end_summary, publish
 from rlhf.config.load import load_config, replace
+from rlhf.config.redact import redact
 from rlhf.config.schema import ConfigError, PPOConfig
 from rlhf.config.sizes import derive_sizes
 from rlhf.tracking.plots import training_html
+from rlhf.tracking.results import summary_rows, summary_table
 from rlhf.round.state import RoundState
 from tasks.base import (CPU_SMALL, DECK, DECK_FIELDS, TRACKING_SECRETS, TRANSIENT, LaunchError, launch_seconds,
                         retry_transient)
+from tasks.registry import registry_uri
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +54,6 @@ def check_config(cfg: LaunchConfig = None) -> PPOConfig:
     batch sizes that divide (`derive_sizes`), local data files, model directories and the
     position limit (`rlhf.train.check.preflight`); the error (`LaunchError`, one line under
     `pyflyte run`) names every key, file or row found wrong and what to change."""
-    from rlhf.config.verl_defaults import defaults_line
-    from rlhf.train.check import CheckFailed, preflight
-    from rlhf.tracking.progress import quiet_progress_bars
 
     quiet_progress_bars()  # in a local execution, for the whole launch: no bars between the round lines
     try:
@@ -63,8 +71,6 @@ def check_config(cfg: LaunchConfig = None) -> PPOConfig:
 @task(requests=CPU_SMALL, container_image=CPU_IMAGE, retries=2, secret_requests=TRACKING_SECRETS)
 def start_tracking(cfg: PPOConfig) -> str:
     """Open the run's MLflow run when `trainer.logger` lists mlflow; returns its id ("" without)."""
-    from rlhf.tracking.status import LAUNCH_TAG
-
     with retry_transient():
         return S.open_tracking(cfg, tags={LAUNCH_TAG: launch()})
 
@@ -72,9 +78,6 @@ def start_tracking(cfg: PPOConfig) -> str:
 def launch() -> str:
     """This launch's key for `rlhf.tracking.status` (the Flyte execution; plus host and process locally)."""
     from flytekit import current_context
-    from flytekit.core.context_manager import FlyteContextManager
-
-    from rlhf.tracking.status import launch_key
 
     state = FlyteContextManager.current_context().execution_state
     local = state is None or state.is_local_execution()
@@ -101,9 +104,6 @@ def fail_retrain_tracking(cfg: PPOConfig, train_files: str, val_files: str, mode
 
 
 def _fail_runs(cfg: PPOConfig, err: Optional[FlyteError]) -> None:
-    from rlhf.tracking.status import fail_launch_runs
-    from tasks.registry import registry_uri
-
     if "mlflow" not in cfg.trainer.logger:
         return
     with retry_transient():
@@ -123,8 +123,6 @@ def resume_point(cfg: PPOConfig) -> Optional[tuple[str, RoundState]]:
     if where in ("auto", "disable"):
         return None
     from flytekit import FlyteContextManager
-
-    from rlhf.checkpoint import rounds as ckpt
 
     fa = FlyteContextManager.current_context().file_access
     local = Path(fa.get_random_local_directory())
@@ -155,40 +153,28 @@ def report(cfg: PPOConfig, state: RoundState, run_id: str, model: Optional[Flyte
     """The metrics table (one row per step, val scores merged), the final deck with the stop
     reason, the summary, config, curves and final policy reference in the tracker (the MLflow
     run is closed here), and the end-of-run table on the console."""
-    from rlhf.tracking.artifacts import log_results
-
     reason = P.stop_reason(cfg, state)
     Deck(DECK, training_html(state, reason))
     table = P.metrics_table(state)
     Deck("metrics table", table.to_html(index=False, float_format=lambda x: f"{x:.5g}"))
     sink = S.tracking_sink(cfg, run_id, state)
-    summary = P.summary(cfg, state)
+    wall = launch_seconds()
+    summary = end_summary(cfg, state, **({} if wall is None else {"wall_s": wall}),
+                          world_size=cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node)
     policy = (getattr(model, "remote_source", None) or model.path) if model is not None else ""
     with retry_transient():
-        sink.log_metrics({k: v for k, v in summary.items() if isinstance(v, (int, float))}, step=state.global_step)
-        sink.set_tags({"stop_reason": reason})
-        log_results(sink, cfg, state, reason, str(policy), cfg.trainer.output_dir)
+        publish(sink, cfg, state, summary, str(policy), cfg.trainer.output_dir)
         sink.close()
     print_results(cfg, summary, str(policy), run_id)
     return table
 
 
 def print_results(cfg: PPOConfig, summary: dict, policy: str, run_id: str) -> None:
-    """The end-of-run table: scores, stop reason, wall time, and where outputs, policy, decks and
-    the MLflow run are (flytekit's deck files lie under its local sandbox in a local execution)."""
-    import os
-
-    from flytekit.core.context_manager import FlyteContextManager
-
-    from rlhf.config.redact import redact
-    from rlhf.tracking.results import summary_rows, summary_table
-    from tasks.registry import registry_uri
-
+    """The end-of-run table: scores, stop reason, wall time (the summary's), and where outputs,
+    policy, decks and the MLflow run are (flytekit's deck files lie under its local sandbox in
+    a local execution)."""
     ctx = FlyteContextManager.current_context()
     out = os.path.abspath(cfg.trainer.output_dir)
-    wall = launch_seconds()
-    if wall is not None:
-        summary = {**summary, "wall_s": wall}
     where = {"outputs": out, "final policy": policy,
              "decks": f"{out}/run_artifacts/training.html; flytekit's deck.html files under "
                       f"{ctx.file_access.local_sandbox_dir}",

@@ -42,9 +42,9 @@ def _segment(cfg: PPOConfig, train: Prompts, val: Prompts, base_model: FlyteDire
     context = contextvars.copy_context()
     end = segment_end(cfg, state.round)
 
-    def round_line(run) -> None:  # the segment's last round has its line from `decide`
+    def round_line(run, result) -> None:  # the segment's last round has its line from `decide`
         if run.rank == 0 and run.state.round < end:
-            print_round(cfg, run.state, run.last_steps)
+            print_round(cfg, run.state, result.steps)
 
     with retry_transient():
         resume = intratask.restore()

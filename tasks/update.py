@@ -106,11 +106,11 @@ def checkpoint_outputs(local: str, state: RoundState, keep: int
 
 
 def _update(cfg: PPOConfig, base_model: FlyteDirectory, checkpoint: Optional[FlyteDirectory], scored: Scored,
-            state: RoundState, run_id: str) -> Updated:
+            state: RoundState, run_id: str, timing: dict[str, float]) -> Updated:
     sink = S.tracking_sink(cfg, run_id, state) if rank() == 0 else None
     with retry_transient():
         r = P.update_from_checkpoint(cfg, local_copy(base_model), local_copy(checkpoint) if checkpoint else None,
-                                     scored, state, workdir("checkpoints"), sink=sink)
+                                     scored, state, workdir("checkpoints"), sink=sink, timing=timing)
     out = S.keep_pending(sink, r.state) if sink is not None else r.state
     ckpt_dir, policy, out = checkpoint_outputs(r.checkpoint, out, cfg.trainer.max_ckpt_to_keep)
     return Updated(checkpoint=ckpt_dir, policy=policy, state=out, steps=r.steps)
@@ -120,22 +120,23 @@ def _update(cfg: PPOConfig, base_model: FlyteDirectory, checkpoint: Optional[Fly
       limits=gpu_resources(1), accelerator=GPU, shared_memory=True, interruptible=True, retries=GPU_RETRIES,
       container_image=GPU_IMAGE, secret_requests=TRACKING_SECRETS)
 def ppo_update(cfg: PPOConfig, base_model: FlyteDirectory, checkpoint: Optional[FlyteDirectory], scored: Scored,
-               state: RoundState, run_id: str) -> Updated:
+               state: RoundState, run_id: str, timing: dict[str, float]) -> Updated:
     """`steps_per_round` PPO steps from the previous round's checkpoint (weights and DeepSpeed
     optimizer state; the base policy in round 1); returns the new checkpoint, the updated
-    policy directory, the state and the per-step metrics."""
-    return _update(cfg, base_model, checkpoint, scored, state, run_id)
+    policy directory, the state and the per-step metrics (with the round's generation
+    `timing`)."""
+    return _update(cfg, base_model, checkpoint, scored, state, run_id, timing)
 
 
 @task(task_config=RunShapedElastic(nnodes=2, nproc_per_node=8, rdzv_configs=RDZV), requests=gpu_resources(8),
       limits=gpu_resources(8), accelerator=GPU, shared_memory=True, interruptible=True, retries=GPU_RETRIES,
       container_image=GPU_IMAGE, secret_requests=TRACKING_SECRETS)
 def ppo_update_multinode(cfg: PPOConfig, base_model: FlyteDirectory, checkpoint: Optional[FlyteDirectory],
-                         scored: Scored, state: RoundState, run_id: str) -> Updated:
+                         scored: Scored, state: RoundState, run_id: str, timing: dict[str, float]) -> Updated:
     """`ppo_update` as a multi-pod PyTorchJob. Rank 0 writes the checkpoint; under ZeRO >= 1
     every rank also writes its optimizer shard there, so the pods need a shared filesystem
     for the task's working directory (docs/FLYTE.md)."""
-    return _update(cfg, base_model, checkpoint, scored, state, run_id)
+    return _update(cfg, base_model, checkpoint, scored, state, run_id, timing)
 
 
 def update_task(cfg: PPOConfig):

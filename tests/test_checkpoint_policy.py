@@ -65,7 +65,7 @@ def test_a_segment_reserves_the_host_buffers_before_its_first_save(two_rounds, t
     data = P.prepare_dataset(cfg.data)
     seen, sink = {}, Recorder()
 
-    def on_round(run) -> None:
+    def on_round(run, result) -> None:
         if run.state.round == 1:
             run.writer.wait()  # the reservation runs in the writer's thread
             seen.update(run=run, buffers=dict(run.writer.pool._bufs))

@@ -265,7 +265,7 @@ def test_repeated_nan_rewards_from_a_reward_model_stop_the_run(run, tmp_path, ca
     limit = run.cfg.early_stop.max_nonfinite_steps
     try:
         with caplog.at_level(logging.WARNING, logger="rlhf.rewards.model"):
-            verdicts = [run.round() for _ in range(limit)]
+            verdicts = [run.round()[1] for _ in range(limit)]
     finally:
         run.reward_model, run.data = saved
     assert [v.stop for v in verdicts] == [False] * (limit - 1) + [True]

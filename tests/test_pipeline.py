@@ -98,7 +98,7 @@ def test_update_from_checkpoint_chains_rounds(base_model, tmp_path):
     state carried, optimizer state restored (the second update differs from a fresh one)."""
     from safetensors.torch import load_file
 
-    cfg = cfg_for(tmp_path, base_model)
+    cfg = cfg_for(tmp_path, base_model, f"trainer.rollout_data_dir={tmp_path / 'rows'}")
     data = P.prepare_dataset(cfg.data)
     state = RoundState.initial(cfg)
     checkpoint = None
@@ -108,11 +108,16 @@ def test_update_from_checkpoint_chains_rounds(base_model, tmp_path):
 
         prompts, state = stages.sample_prompts(data.train, state, cfg)
         rollouts, gen = P.rollout_policy(cfg, policy, prompts, state)
-        scored = P.score_rollouts(cfg, rollouts)
-        res = P.update_from_checkpoint(cfg, base_model, checkpoint, scored, state, str(tmp_path / f"u{r}"))
+        scored, timing = P.score_timed(cfg, rollouts, P.gen_timing(gen))
+        res = P.update_from_checkpoint(cfg, base_model, checkpoint, scored, state, str(tmp_path / f"u{r}"),
+                                       timing=timing)
         assert Path(res.checkpoint).name == f"round_00000{r + 1}"
         assert res.state.round == r + 1 and res.state.global_step == r + 1
         assert len(res.steps) == 1 and "perf/throughput" in res.steps[0] and gen["timing_s/gen"] > 0
+        # the stage driver stores the scored rollouts and logs the generation's timings, as the others do
+        assert res.rollouts_path == str(tmp_path / "rows" / f"round_00000{r + 1}.parquet")
+        pd.testing.assert_frame_equal(pd.read_parquet(res.rollouts_path), scored, check_like=True)
+        assert res.steps[0]["timing_s/gen"] == gen["timing_s/gen"] and res.steps[0]["timing_s/reward"] > 0
         assert res.state.kl_coef != state.kl_coef, "the adaptive KL coefficient did not move"
         state, checkpoint, policy = res.state, res.checkpoint, res.policy
     before, after = load_file(f"{base_model}/model.safetensors"), load_file(f"{policy}/model.safetensors")
@@ -125,28 +130,34 @@ def test_update_from_checkpoint_chains_rounds(base_model, tmp_path):
 
 
 @pytest.mark.slow
-def test_in_process_staged_and_colocated_give_the_same_rounds(base_model, tmp_path):
+def test_in_process_staged_and_colocated_give_the_same_rounds(base_model, tmp_path, monkeypatch):
     """The in-process loop, the Flyte workflow with a task per stage, and the workflow with
     colocated segments (two rounds each: a validation inside a segment and one between
-    segments, a segment boundary, intratask checkpoints) on one config and seed."""
+    segments, a segment boundary, intratask checkpoints) on one config and seed: the same
+    rounds, and the same side effects (the metric keys logged at each step, the stored
+    rollouts, each checkpoint's files, the run's artifacts)."""
     from safetensors.torch import load_file
 
     from rlhf.checkpoint.rounds import latest_checkpoint
     from rlhf.train import train
     from workflows.ppo import ppo_pipeline
 
+    logged = _record_metric_keys(monkeypatch)
     # verl's trainer.total_epochs: two passes over 16 train prompts at 8 a round are 4 rounds,
     # which each driver works out once it has the train set.
     extra = ["trainer.total_epochs=2", "data.synthetic.n_train=16", "trainer.test_freq=1",
              "trainer.rounds_per_segment=2"]
-    summary = train(cfg_for(tmp_path / "loop", base_model, *extra))
+    summary = train(cfg_for(tmp_path / "loop", base_model, *extra, f"trainer.rollout_data_dir={tmp_path}/loop_rows"))
     loop_ckpt = latest_checkpoint(tmp_path / "loop")
     loop_state = RoundState.from_json((loop_ckpt / "state.json").read_text())
     loop_weights = load_file(str(loop_ckpt / "actor" / "model.safetensors"))
+    loop_side = _side_effects(tmp_path / "loop", tmp_path / "loop_rows", sorted(loop_ckpt.parent.glob("round_*")),
+                              logged.pop("run"))
     assert loop_state.kl_coef != pytest.approx(0.05), "the KL coefficient never moved; the comparison would be weak"
     for granularity in ("stage", "segment"):
         flyte = ppo_pipeline(cfg=cfg_for(tmp_path / granularity, base_model, *extra,
-                                         f"trainer.granularity={granularity}"))
+                                         f"trainer.granularity={granularity}",
+                                         f"trainer.rollout_data_dir={tmp_path}/{granularity}_rows"))
         s = flyte.state
         assert (s.round, s.global_step) == (summary["rounds"], summary["global_steps"]) == (4, 4), granularity
         assert [v["step"] for v in s.val_history] == [v["step"] for v in summary["val_history"]] == [0, 1, 2, 3, 4]
@@ -159,3 +170,44 @@ def test_in_process_staged_and_colocated_give_the_same_rounds(base_model, tmp_pa
         assert loop_weights.keys() == b.keys()
         for k in loop_weights:
             torch.testing.assert_close(b[k], loop_weights[k], rtol=0, atol=1e-5, msg=f"{granularity}: {k}")
+        side = _side_effects(tmp_path / granularity, tmp_path / f"{granularity}_rows",
+                             [Path(c) for c in s.checkpoints], logged.pop("run"))
+        _same_side_effects(loop_side, side, granularity)
+
+
+def _record_metric_keys(monkeypatch) -> dict[str, dict[int, set[str]]]:
+    """The metric keys every sink of the drivers logs, by step (`trainer.logger=[none]`: the
+    sinks are `NullSink`s), under "run" until popped."""
+    from collections import defaultdict
+
+    from rlhf.tracking.sinks import NullSink
+
+    logged: dict = defaultdict(lambda: defaultdict(set))
+
+    def log_metrics(self, metrics, step):
+        logged["run"][int(step)].update(metrics)
+
+    monkeypatch.setattr(NullSink, "log_metrics", log_metrics)
+    return logged
+
+
+def _side_effects(out: Path, rows: Path, checkpoints: list[Path], keys: dict[int, set[str]]) -> dict:
+    """What a driver left besides its rounds: the metric keys of each step, the stored scored
+    rollouts, the file list of each checkpoint, the artifacts under the output directory."""
+    files = lambda root: sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())  # noqa: E731
+    assert checkpoints, out
+    return {"keys": {step: sorted(k) for step, k in keys.items()},
+            "rows": {p.name: pd.read_parquet(p) for p in sorted(rows.glob("*.parquet"))},
+            "checkpoints": {tuple(files(c)) for c in checkpoints},
+            "artifacts": files(out / "run_artifacts") if (out / "run_artifacts").is_dir() else []}
+
+
+def _same_side_effects(loop: dict, other: dict, granularity: str) -> None:
+    assert other["keys"].keys() == loop["keys"].keys(), granularity
+    for step, keys in loop["keys"].items():
+        assert other["keys"][step] == keys, (granularity, step, set(other["keys"][step]) ^ set(keys))
+    assert list(other["rows"]) == list(loop["rows"]) == [f"round_{r:06d}.parquet" for r in range(1, 5)], granularity
+    for name, table in loop["rows"].items():
+        pd.testing.assert_frame_equal(other["rows"][name], table, check_like=True, obj=f"{granularity}: {name}")
+    assert other["checkpoints"] == loop["checkpoints"] and len(loop["checkpoints"]) == 1, granularity
+    assert other["artifacts"] == loop["artifacts"] and loop["artifacts"], granularity

@@ -137,9 +137,9 @@ def ppo_round(cfg: PPOConfig, train: Prompts, val: Prompts, base_model: FlyteDir
     else:
         rolled = rollout(cfg=cfg, policy=policy, prompts=sampled.prompts, state=sampled.state).with_overrides(
             **gpu_overrides(generation_gpus(cfg)))
-        scored = score_task(cfg)(cfg=cfg, rollouts=rolled)
-    updated = update_task(cfg)(cfg=cfg, base_model=base_model, checkpoint=checkpoint, scored=scored,
-                               state=sampled.state, run_id=run_id).with_overrides(
+        scored = score_task(cfg)(cfg=cfg, rollouts=rolled.rollouts, timing=rolled.timing)
+    updated = update_task(cfg)(cfg=cfg, base_model=base_model, checkpoint=checkpoint, scored=scored.scored,
+                               state=sampled.state, run_id=run_id, timing=scored.timing).with_overrides(
         task_config=elastic_for(cfg), **gpu_overrides(cfg.trainer.n_gpus_per_node))
     s = updated.state
     done = state.round + 1

@@ -37,7 +37,7 @@ def _make_hf_fast(model_dir: str, tokenizer, cfg: RolloutConfig, model=None, see
                   device: str = "auto", dtype: str = "float32", trust_remote_code: bool = False,
                   allow_network: bool = False) -> RolloutEngine:
     # static KV cache + CUDA graphs on GPU; loads triton, so only when asked for
-    from rlhf.rollout.fast_decode import FastHFRolloutEngine
+    from rlhf.rollout.fast_decode import FastHFRolloutEngine  # loads triton: only when asked for
 
     if model is None:
         model = load_causal_lm(model_dir, dtype=dtype, trust_remote_code=trust_remote_code,

@@ -1,8 +1,8 @@
 """The rules both drivers follow, so that the same config and seed give the same rounds
 whether one process runs them (`rlhf.train.inprocess`) or one task per stage does
 (`rlhf.train.stateless`): the rollout and update seeds, the validation schedule, the state
-after an update, stored rollouts, the per-step metrics (throughput, MFU) and the run
-summary. A driver takes the rounds of offline RLHF from `rlhf.round.offline` itself.
+after an update, the per-step metrics (throughput, MFU) and the metrics
+table. A driver takes the rounds of offline RLHF from `rlhf.round.offline` itself.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import pandas as pd
 import torch
 
 from rlhf.config.schema import PPOConfig
-from rlhf.round import stages
 from rlhf.round.state import RoundState, record_steps
 from rlhf.trainer import dist as D
 
@@ -53,15 +52,6 @@ def record_update(state: RoundState, steps: list[dict[str, float]], kl_coef: flo
     return replace(new, kl_coef=float(kl_coef), round=state.round + 1)
 
 
-def store_rollouts(cfg: PPOConfig, scored: pd.DataFrame, round_: int, rank: int = 0) -> None:
-    """Write round `round_`'s (1-based) scored rollouts under `trainer.rollout_data_dir`, if set:
-    the input format of offline RLHF (`data.rollout_files`)."""
-    if cfg.trainer.rollout_data_dir:
-        from rlhf.data.rollouts import write_round_rollouts  # loads pyarrow and pandera: only when rollouts are kept
-
-        write_round_rollouts(cfg.trainer.rollout_data_dir, scored, round_, rank)
-
-
 def warn_if_unrewarded(scored: pd.DataFrame, round_: int, rank: int = 0) -> str:
     """In the run's first round (`round_` 1), `unrewarded_warning` logged by rank 0 when no
     rank's response scored anything but 0; returns it ("" otherwise). All ranks call it."""
@@ -89,11 +79,6 @@ def unrewarded_warning(scored: pd.DataFrame, n: int = 3, tail: int = 80) -> str:
             "of them have a ground truth: the run is training on no reward. Check that the ground truths are in the "
             "form the responses' answers take (the rule rewards compare text, as verl's do) and that data_source "
             f"picks the right reward. Examples:\n{examples}")
-
-
-def count_tokens(rollouts: pd.DataFrame) -> float:
-    """Prompt plus response tokens of a rollout table."""
-    return float(sum(stages.token_lengths(rollouts)))
 
 
 def step_metrics(steps: list[dict[str, float]], gen: dict[str, float], timing: dict[str, float], tokens: float,
@@ -141,28 +126,6 @@ def peak_flops(device: torch.device) -> float:
         name = torch.cuda.get_device_name(device)
         return 790e12 if "H200" in name or "H100" in name else 312e12
     return 0.0
-
-
-def stop_reason(cfg: PPOConfig, state: RoundState) -> str:
-    """Why the rounds ended: the early-stop reason, or the round budget."""
-    if state.stop_reason:
-        return state.stop_reason
-    return "total_rounds reached" if state.round >= cfg.trainer.total_rounds else ""
-
-
-def summary(cfg: PPOConfig, state: RoundState) -> dict:
-    """The run summary both drivers report (`rlhf.train` adds wall time and paths)."""
-    return {
-        "val_score_start": state.val_start,
-        "val_score_end": state.last_val,
-        "val_score_best": state.best_val,
-        "rounds": state.round,
-        "global_steps": state.global_step,
-        "stop_reason": stop_reason(cfg, state),
-        "kl_coef": state.kl_coef,
-        "skipped_steps": state.skipped_steps,
-        "val_history": state.val_history,
-    }
 
 
 def metrics_table(state: RoundState) -> pd.DataFrame:

@@ -5,6 +5,8 @@
 - `rlhf.train.stateless`: one round's stages for a driver that keeps nothing in memory
   between them (the Flyte tasks of `tasks/`);
 - `rlhf.train.segment`: a colocated segment of rounds on `Run` (one Flyte task);
+- `rlhf.train.step`: a round's update half, the same for all of them (`update_step`, `StepResult`);
+- `rlhf.train.report`: the round line with its ETA and the end summary, the same for all of them;
 - `rlhf.train.setup`: the process, trainer, engine, sink, validation and checkpoint set-up
   all of them share;
 - `rlhf.train.cli` (`python -m rlhf.train`), `rlhf.train.check` (launch preflight,

@@ -13,20 +13,27 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import pandas as pd
-import torch
 
+from rlhf.config.redact import redact
 from rlhf.config.schema import PPOConfig
 from rlhf.config.sizes import resolve_epochs
+from rlhf.data.checks import check_fit
 from rlhf.models.lora import has_adapters
 from rlhf.checkpoint import rounds as ckpt
 from rlhf.checkpoint import verify
+from rlhf.checkpoint.writer import CheckpointWriter
 from rlhf.round import offline, rules, stages
 from rlhf.round.policy import prepare_policy
 from rlhf.round.state import RoundState, Verdict, decide
+from rlhf.tracking.profiling import StepProfiler
+from rlhf.tracking.results import write_summary
+from rlhf.tracking.sinks import NullSink, default_tracking_uri
 import rlhf.train.setup as S
+from rlhf.train.report import RoundClock, end_summary, print_round, publish
+from rlhf.train.step import Hooks, RoundRows, StepResult, timer, update_step
 from rlhf.trainer import dist as D
 from rlhf.trainer.engines import named_weights
 
@@ -71,8 +78,6 @@ class Run:
         starts = ([S.Start(Path(resume))] if resume else []) + [given]
         advice = verify.earlier_advice(state.checkpoints, str(checkpoint))
         run._build(base_dir, data, starts, fit=False, advice=advice)
-        from rlhf.tracking.sinks import NullSink
-
         run.sink = sink if sink is not None and run.rank == 0 else NullSink()
         return run
 
@@ -82,8 +87,6 @@ class Run:
         proc = S.start_process(cfg, out)
         self.device, self.rank, self.world, self.sizes, self.out = (proc.device, proc.rank, proc.world, proc.sizes,
                                                                      proc.out)
-        from rlhf.checkpoint.writer import CheckpointWriter
-
         self.writer = CheckpointWriter()  # checkpoints are written in its thread while rounds go on
         self._reserved = False  # whether the writer's host buffers are allocated
         self.timing: dict[str, float] = {}  # the last round's stage and checkpoint times, in seconds
@@ -97,8 +100,6 @@ class Run:
         self.tokenizer = S.load_tokenizer(cfg, base_dir)
         self.data = stages.fit_data(data, self.tokenizer, cfg) if fit else data
         self.cfg = cfg = resolve_epochs(cfg, len(self.data.train))  # trainer.total_epochs -> total_rounds
-        from rlhf.data.checks import check_fit
-
         check_fit(cfg, len(self.data.train), base_dir)
         self.start_timing: dict[str, float] = {}  # seconds: trainer build, wait for the digests, restore
         self.trainer, self.state, start = S.load_first_valid(cfg, self.sizes, base_dir, self.device, starts, advice,
@@ -116,13 +117,7 @@ class Run:
         self._engine_behind = False  # the trainer's weights moved on while no engine was built
         self.offline = offline.offline_table(cfg, self.tokenizer)  # the stored rollouts, or None (online)
         self.reward_model = stages.load_reward_model(cfg, self.device)
-        self.last_step: dict[str, float] = {}  # the last PPO step's full metrics (for the round line)
-        from rlhf.tracking.profiling import StepProfiler
-
         self.profiler = StepProfiler(cfg.trainer.profile_steps, self.out, self.device, self.rank)
-        self.last_rollouts: Optional[pd.DataFrame] = None  # this rank's tables of the latest round
-        self.last_scored: Optional[pd.DataFrame] = None
-        self.last_steps: list[dict[str, float]] = []
 
     def _find_resume(self) -> tuple[list[S.Start], list[str]]:
         """Where the run may start, in order, and the checkpoints already found broken (rank 0
@@ -145,65 +140,48 @@ class Run:
         return self._engine
 
     # -- one round -------------------------------------------------------------------------
-    def round(self) -> Verdict:
+    def round(self) -> tuple[StepResult, Verdict]:
         """One whole round, as the in-process driver runs it: the update (`update_round`),
         the validation and early-stop decision (`end_round`), the checkpoint (`checkpoint`)."""
-        verdict = self.end_round(self.update_round())
+        result = self.update_round()
+        verdict = self.end_round(result.steps)
         self.checkpoint(ckpt.should_save(self.cfg.trainer, self.state.round, verdict.stop))
-        return verdict
+        return result, verdict
 
-    def update_round(self) -> list[dict[str, float]]:
-        """One round up to its update: sample, rollout, score, the PPO steps; returns the
-        steps' metrics (logged) with the state moved on (round, global step, KL coefficient)."""
-        cfg, timer = self.cfg, {}
-        rollouts, scored = self._generate(timer)
-        rules.store_rollouts(cfg, scored, self.state.round + 1, self.rank)
-        rules.warn_if_unrewarded(scored, self.state.round + 1, self.rank)
-        t = time.perf_counter()
-        local = self._update_share(scored)
-        torch.manual_seed(rules.update_seed(cfg, self.state.round, self.rank))
+    def update_round(self) -> StepResult:
+        """One round up to its update: sample, rollout, score (`_generate`), then the update
+        half (`step.update_step`): stored rollouts, the PPO steps, the engine given the new
+        weights, the steps' metrics logged; the state moved on (round, global step, KL)."""
+        hooks = Hooks(share=self._update_share, release=self._release, stalled=self.writer.take_stalled,
+                      sync=self.sync_engine)
+        rows = self._generate()  # moves the state's sampling position on
+        result = update_step(self.cfg, self.trainer, self.tokenizer, self.state, rows, self, self.sink, self.profiler,
+                             hooks)
+        self.state, self.timing = result.state, dict(result.timing)
+        return result
+
+    def _release(self) -> None:
         if self._engine is not None:
             self._engine.release()  # vLLM's KV cache and weights make room for the update
-        with self.profiler.update(self.state.global_step + 1, cfg.trainer.steps_per_round, self.sink):
-            steps = stages.update(self.trainer, local, self.tokenizer.pad_token_id, cfg)
-        # Its first optimizer step waited for the copy of the last save's state, if still under way.
-        timer["timing_s/checkpoint_wait"] = self.writer.take_stalled()
-        timer["timing_s/update"] = _lap(t) - timer["timing_s/checkpoint_wait"]
-        t = time.perf_counter()
-        self.sync_engine()
-        timer["timing_s/update_weights"] = _lap(t)
-        gen_metrics = D.mean_across_ranks(stages.rollout_metrics(rollouts, cfg))
-        n_tokens = float(D.all_reduce_sum(torch.tensor(rules.count_tokens(rollouts))))
-        steps = rules.step_metrics(steps, gen_metrics, timer, n_tokens, self.world, self.trainer, self.device)
-        for i, m in enumerate(steps):
-            self.sink.log_metrics(m, step=self.state.global_step + i + 1)
-        self.state = rules.record_update(self.state, steps, self.trainer.kl_ctrl.value)
-        self.last_rollouts, self.last_scored, self.last_steps = rollouts, scored, steps
-        self.last_step = steps[-1] if steps else {}
-        self.timing = timer
-        return steps
 
-    def _generate(self, timer: dict[str, float]) -> tuple[pd.DataFrame, pd.DataFrame]:
-        """This rank's (rollouts, scored) of the round: its share of the sampled prompts
-        generated and scored, or (offline) the stored table's rows; the times go to `timer`."""
-        cfg = self.cfg
-        t = time.perf_counter()
-        prompts, self.state = stages.sample_prompts(self.data.train, self.state, cfg)
-        prompts = stages.shard(prompts, cfg.trainer.steps_per_round, self.rank, self.world)
-        seed = rules.rollout_seed(cfg, self.state.round, self.rank)
-        timer["timing_s/gen"] = _lap(t)
-        t = time.perf_counter()
+    def _generate(self) -> RoundRows:
+        """This rank's rows of the round: its share of the sampled prompts generated and
+        scored, or (offline) the stored table's rows; with `timing_s/gen` and `timing_s/reward`."""
+        cfg, timing = self.cfg, {}
+        with timer(timing, "timing_s/gen"):
+            prompts, self.state = stages.sample_prompts(self.data.train, self.state, cfg)
+            prompts = stages.shard(prompts, cfg.trainer.steps_per_round, self.rank, self.world)
+            seed = rules.rollout_seed(cfg, self.state.round, self.rank)
         if self.offline is not None:  # offline RLHF: the stored table stands in for generation
-            rollouts, scored = offline.offline_round(self.offline, cfg, self.state.round, self.rank, self.world,
-                                                     self.reward_model)
-            timer["timing_s/reward"] = _lap(t)
-            return rollouts, scored
-        rollouts = stages.rollout(self.engine, self.tokenizer, prompts, cfg, seed=seed)
-        timer["timing_s/gen"] += _lap(t)
-        t = time.perf_counter()
-        scored = stages.score(rollouts, cfg, self.reward_model)
-        timer["timing_s/reward"] = _lap(t)
-        return rollouts, scored
+            with timer(timing, "timing_s/reward"):
+                rollouts, scored = offline.offline_round(self.offline, cfg, self.state.round, self.rank, self.world,
+                                                         self.reward_model)
+            return RoundRows(rollouts, scored, timing)
+        with timer(timing, "timing_s/gen"):
+            rollouts = stages.rollout(self.engine, self.tokenizer, prompts, cfg, seed=seed)
+        with timer(timing, "timing_s/reward"):
+            scored = stages.score(rollouts, cfg, self.reward_model)
+        return RoundRows(rollouts, scored, timing)
 
     def _update_share(self, scored):
         """This rank's rows for the update. Prompts were split over ranks before rollout, so
@@ -225,11 +203,18 @@ class Run:
         return verdict
 
     def evaluate(self) -> float:
-        """Validate the current policy: the score, recorded in the state and logged."""
-        self.state, metrics, samples = S.evaluate(self.engine, self.tokenizer, self.data.val, self.cfg,
+        """Validate the current policy: the score, recorded in the state and logged with the
+        validation's seconds (`timing_s/testing`, of which `timing_s/testing_engine_build`
+        building the engine, 0 once built), as the validation task logs them."""
+        t = time.perf_counter()
+        engine = self.engine
+        built = _lap(t)
+        self.state, metrics, samples = S.evaluate(engine, self.tokenizer, self.data.val, self.cfg,
                                                   self.reward_model, self.state)
+        metrics.update({"timing_s/testing": _lap(t), "timing_s/testing_engine_build": built})
         if self.rank == 0:
-            S.log_evaluation(self.sink, self.state.global_step, metrics, samples, self.out)
+            # the run's artifacts, where the validation task writes them (a segment's `out` holds its checkpoints)
+            S.log_evaluation(self.sink, self.state.global_step, metrics, samples, self.cfg.trainer.output_dir)
         return stages.val_score(metrics)
 
     # -- checkpoints and weights ------------------------------------------------------------
@@ -311,20 +296,27 @@ def _lap(t: float) -> float:
     return time.perf_counter() - t
 
 
+class Rounds(NamedTuple):
+    """What `run_rounds` ran to: the verdict of the last decision, the last round's update."""
+
+    verdict: Verdict
+    last: Optional[StepResult]  # None when no round ran
+
+
 def run_rounds(run: Run, until: int, decide_last: bool = True,
-               after_round: Callable[[Run], None] = lambda run: None) -> Verdict:
+               after_round: Callable[[Run, StepResult], None] = lambda run, result: None) -> Rounds:
     """The round loop both the in-process driver and a colocated Flyte segment run: whole
-    rounds until `until` rounds are done or an early stop, `after_round` after each (the
-    checkpoint policy of the driver). With `decide_last` False, the round that reaches
-    `until` stops after its update: its validation and decision are the caller's (a
-    segment's, between segments)."""
-    verdict = Verdict(stop=bool(run.state.stop_reason), reason=run.state.stop_reason)
+    rounds until `until` rounds are done or an early stop, `after_round(run, result)` after
+    each (the checkpoint policy of the driver; `result` the round's update). With
+    `decide_last` False, the round that reaches `until` stops after its update: its
+    validation and decision are the caller's (a segment's, between segments)."""
+    verdict, last = Verdict(stop=bool(run.state.stop_reason), reason=run.state.stop_reason), None
     while run.state.round < until and not verdict.stop:
-        steps = run.update_round()
+        last = run.update_round()
         if run.state.round < until or decide_last:
-            verdict = run.end_round(steps)
-        after_round(run)
-    return verdict
+            verdict = run.end_round(last.steps)
+        after_round(run, last)
+    return Rounds(verdict, last)
 
 
 def train(cfg: PPOConfig) -> dict:
@@ -336,18 +328,21 @@ def train(cfg: PPOConfig) -> dict:
         cfg = run.cfg  # with trainer.total_epochs resolved against the train set
         if rules.should_validate_first(cfg, run.state):
             run.evaluate()
-        t_loop, rounds_before = time.perf_counter(), run.state.round
+        clock = RoundClock(run.state.round)
 
-        def after_round(r: Run) -> None:
+        def after_round(r: Run, result: StepResult) -> None:
             r.checkpoint(ckpt.should_save(r.cfg.trainer, r.state.round, bool(r.state.stop_reason)))
-            _progress(r, t_loop, r.state.round - rounds_before)
+            if r.rank == 0:
+                print_round(r.cfg, r.state, result.steps, time.perf_counter() - r.t0, clock)
 
-        verdict = run_rounds(run, cfg.trainer.total_rounds, after_round=after_round)
+        verdict = run_rounds(run, cfg.trainer.total_rounds, after_round=after_round).verdict
         run.flush()  # the last checkpoint is sealed before the run reports it
         # trainer.save_freq=-1 writes no checkpoint (as verl); the final policy is still the run's output
         final = ckpt.save_policy(run.out / "final_policy", run.trainer.actor, run.tokenizer) \
             if cfg.trainer.save_freq <= 0 else None
-        summary = _summary(run, verdict)
+        summary = end_summary(cfg, run.state, verdict.reason, wall_s=time.perf_counter() - run.t0,
+                              resumed_from=run.resumed_from, world_size=run.world,
+                              output_dir=str(run.out.resolve()))
         if cfg.trainer.save_merged:  # a plain model directory for serving: LoRA adapters merged in
             summary["merged_policy"] = str(ckpt.save_policy(run.out / "merged_policy", run.trainer.actor,
                                                             run.tokenizer).resolve() / "actor")
@@ -366,53 +361,21 @@ def train(cfg: PPOConfig) -> dict:
 def _finish(run: Run, summary: dict, final: Path | None = None) -> None:
     """Rank 0 at the end: summary.json (strict JSON), summary metrics, config, curves, final
     policy (`final`'s, else the last checkpoint's)."""
-    from rlhf.tracking.artifacts import log_results
-    from rlhf.tracking.results import write_summary
-
     last = final or ckpt.latest_checkpoint(run.out, checksums=False)  # sealed a moment ago by this process
     summary["final_policy"] = policy = str((last / "actor").resolve()) if last is not None else run.base_dir
     summary["mlflow_run"] = _mlflow_run(run)
     path = write_summary(run.out / "summary.json", summary)
-    run.sink.log_metrics({k: v for k, v in summary.items() if isinstance(v, (int, float))},
-                         step=run.state.global_step)
     run.sink.log_artifact(str(path))
-    log_results(run.sink, run.cfg, run.state, summary.get("stop_reason", ""), policy, run.out)
+    publish(run.sink, run.cfg, run.state, summary, policy, run.out)
     if last is not None:
         run.sink.log_artifact(str(last / "actor"), artifact_path="final_model")
-    run.sink.set_tags({"stop_reason": summary.get("stop_reason", "")})
 
 
 def _mlflow_run(run: Run) -> str:
     """`<run id> at <tracking URI>` of the run's MLflow run, "" without one."""
-    from rlhf.config.redact import redact
-    from rlhf.tracking.sinks import default_tracking_uri
-
     sinks = getattr(run.sink, "sinks", [run.sink])
     run_id = next((getattr(s, "run_id", "") for s in sinks if getattr(s, "run_id", "")), "")
     if not run_id:
         return ""
     t = run.cfg.trainer
     return f"{run_id} at {redact(default_tracking_uri(t.mlflow_tracking_uri, t.output_dir))}"
-
-
-def _progress(run: Run, t_loop: float, rounds_here: int) -> None:
-    """The round line (rank 0): k/N, step, headline metrics, time per step, elapsed, ETA."""
-    if run.rank != 0:
-        return
-    from rlhf.tracking.progress import print_line, round_line
-
-    s = run.state
-    last = {**(s.step_history[-1] if s.step_history else {}), **run.last_step}
-    per_round = (time.perf_counter() - t_loop) / max(1, rounds_here)
-    print_line(round_line(s.round, run.cfg.trainer.total_rounds, s.global_step, last, s.last_val,
-                          time.perf_counter() - run.t0, per_round))
-
-
-def _summary(run: Run, verdict: Verdict) -> dict:
-    out = rules.summary(run.cfg, run.state)
-    if verdict.reason:
-        out["stop_reason"] = verdict.reason
-    val_history = out.pop("val_history")
-    out.update({"wall_s": time.perf_counter() - run.t0, "resumed_from": run.resumed_from, "world_size": run.world,
-                "output_dir": str(run.out.resolve()), "val_history": val_history})
-    return out

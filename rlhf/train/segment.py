@@ -27,6 +27,7 @@ from rlhf.round import stages
 from rlhf.config.schema import PPOConfig
 from rlhf.round.state import RoundState
 from rlhf.train.inprocess import Run, run_rounds
+from rlhf.train.step import StepResult
 from rlhf.trainer import dist as D
 
 
@@ -69,13 +70,13 @@ def should_save(cfg: PPOConfig, rounds_done: int, end: int) -> bool:
 def run_segment(cfg: PPOConfig, base_dir: str, train: pd.DataFrame, val: pd.DataFrame,
                 checkpoint: Optional[str], state: RoundState, out_dir: str, sink=None,
                 resume: Optional[str] = None, on_checkpoint: Callable[[Path], None] = lambda path: None,
-                on_round: Callable = lambda run: None) -> SegmentResult:
+                on_round: Callable = lambda run, result: None) -> SegmentResult:
     """The rounds after `state.round` up to `segment_end`, from checkpoint `checkpoint` (None:
     the base policy) or, when a retried task found one, from its own newer checkpoint `resume`
     (the state saved there wins). Every rank of the process group calls it with the same
     arguments; `on_checkpoint` (called once a checkpoint is sealed, in the checkpoint writer's
-    thread) and the returned tables are rank 0's business; `on_round(run)` runs after every
-    round (progress, benchmarks)."""
+    thread) and the returned tables are rank 0's business; `on_round(run, result)` runs after every
+    round (progress, benchmarks), with the round's update (`step.StepResult`)."""
     end = segment_end(cfg, state.round)
     if state.round >= cfg.trainer.total_rounds:
         raise ValueError(f"the run is at round {state.round} of trainer.total_rounds={cfg.trainer.total_rounds}: "
@@ -84,29 +85,29 @@ def run_segment(cfg: PPOConfig, base_dir: str, train: pd.DataFrame, val: pd.Data
                     resume=Path(resume) if resume else None)
     first_step = state.global_step
 
-    def after_round(r: Run) -> None:
+    def after_round(r: Run, result: StepResult) -> None:
         # At a save point the checkpoint is written, sealed and then uploaded in the writer's thread
         # while the next rounds run (a failed attempt waits for it in `close`; its retry resumes
         # from it); before the first one, the writer's host buffers are allocated meanwhile.
         r.checkpoint(save=should_save(cfg, r.state.round, end), on_sealed=on_checkpoint)
-        on_round(r)
+        on_round(r, result)
 
     try:
-        verdict = run_rounds(run, end, decide_last=False, after_round=after_round)
+        verdict, last = run_rounds(run, end, decide_last=False, after_round=after_round)
+        assert last is not None, "the segment ran no round"
         final = run.save()
         run.flush()
-        rollouts = _all_rows(run.last_rollouts, cfg, run.world)
-        scored = _all_rows(run.last_scored, cfg, run.world)
+        rollouts = _all_rows(last.rollouts, cfg, run.world)
+        scored = _all_rows(last.scored, cfg, run.world)
     finally:
         run.close(close_sink=False)  # the sink is the task's
     table = _steps_table(run.state, first_step)
-    return SegmentResult(checkpoint=str(final), state=run.state, steps=run.last_steps, metrics=table,
+    return SegmentResult(checkpoint=str(final), state=run.state, steps=last.steps, metrics=table,
                          rollouts=rollouts, scored=scored, stopped=verdict.stop)
 
 
-def _all_rows(local: Optional[pd.DataFrame], cfg: PPOConfig, world: int) -> pd.DataFrame:
+def _all_rows(local: pd.DataFrame, cfg: PPOConfig, world: int) -> pd.DataFrame:
     """Every rank's rows of a round table, in the round's step-major order."""
-    assert local is not None, "the segment ran no round"
     if world == 1:
         return local
     return stages.step_major(D.all_gather_object(local), cfg.trainer.steps_per_round)

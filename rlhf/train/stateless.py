@@ -10,9 +10,10 @@ Each function here loads what it needs (a model directory, a checkpoint with the
 DeepSpeed optimizer state), runs one stage from `rlhf.round.stages`, and returns tables,
 directories and the `RoundState`. Both drivers follow the rules of `rlhf.round.rules`
 (rollout and update seeds, the validation schedule, the state after an update, the
-per-step metrics, the summary; re-exported here) and share the set-up of `rlhf.train.setup` (device and process
-group, trainer, rollout engine, tracking sink, validation, the checkpoint save), so the
-same config and seed give the same rounds either way.
+per-step metrics; re-exported here, with the summary of `rlhf.train.report`), run the
+update half of `rlhf.train.step` and share the set-up of `rlhf.train.setup` (device and
+process group, trainer, rollout engine, tracking sink, validation, the checkpoint save), so
+the same config and seed give the same rounds either way.
 """
 
 from __future__ import annotations
@@ -26,16 +27,16 @@ from pathlib import Path
 from typing import Optional
 
 import pandas as pd
-import torch
 
 from rlhf.checkpoint import rounds as ckpt
 from rlhf.checkpoint import verify
+from rlhf.data.checks import labeled_rows
+from rlhf.data.io import list_parquet_files, resolve_path
 from rlhf.round import stages
 from rlhf.round.policy import prepare_policy
 from rlhf.config.schema import DataConfig, ModelConfig, PPOConfig, TrainerConfig
 from rlhf.round.state import RoundState
 from rlhf.round.rules import (  # noqa: F401 (the stateless stages' API)
-    count_tokens,
     metrics_table,
     peak_flops,
     perf_metrics,
@@ -44,13 +45,13 @@ from rlhf.round.rules import (  # noqa: F401 (the stateless stages' API)
     should_evaluate,
     should_validate_first,
     step_metrics,
-    stop_reason,
-    store_rollouts,
-    summary,
     update_seed,
     warn_if_unrewarded,
 )
+from rlhf.tracking.profiling import StepProfiler
 import rlhf.train.setup as S
+from rlhf.train.report import stop_reason, summary  # noqa: F401 (the stateless stages' API)
+from rlhf.train.step import Hooks, RoundRows, timer, update_step
 
 # ---------------------------------------------------------------------------------
 # Preparation (cacheable: the outputs depend only on these inputs)
@@ -61,8 +62,6 @@ def prepare_dataset(data: DataConfig) -> stages.DataBundle:
     """Train and val prompt tables and the labeled SFT split (of the synthetic task, else up to
     `data.synthetic.n_sft` labeled user rows, which warm-start the tiny default model; empty
     when the user data has none) from the data section alone."""
-    from rlhf.data.checks import labeled_rows
-
     bundle = stages.prepare_data(PPOConfig(data=data))
     if bundle.sft is None:
         sft = labeled_rows(bundle.train).head(data.synthetic.n_sft)
@@ -76,8 +75,6 @@ def dataset_fingerprint(data: DataConfig) -> str:
     task, whose rows the config alone determines."""
     if not data.train_files:
         return ""
-    from rlhf.data.io import list_parquet_files, resolve_path
-
     h = hashlib.sha256()
     for path in [*data.train_files, *data.val_files]:
         fs, files = list_parquet_files(resolve_path(path, data.base_dir))
@@ -125,12 +122,29 @@ def score_rollouts(cfg: PPOConfig, rollouts: pd.DataFrame) -> pd.DataFrame:
     return stages.score(rollouts, cfg, reward_model)
 
 
+def score_timed(cfg: PPOConfig, rollouts: pd.DataFrame, timing: dict[str, float]
+                ) -> tuple[pd.DataFrame, dict[str, float]]:
+    """`score_rollouts`, and the round's stage `timing` with the scoring's seconds added as
+    `timing_s/reward` (the reward model's load included)."""
+    out = dict(timing)
+    with timer(out, "timing_s/reward"):
+        scored = score_rollouts(cfg, rollouts)
+    return scored, out
+
+
+def gen_timing(metrics: dict[str, float]) -> dict[str, float]:
+    """The stage timings of a round's generation among `rollout_policy`'s metrics, as the
+    update's step metrics take them (`timing_s/gen`)."""
+    return {"timing_s/gen": metrics["timing_s/gen"]}
+
+
 @dataclass
 class UpdateResult:
     checkpoint: str  # the new checkpoint directory (actor/, critic/, engine/, state.json, config.yaml)
     state: RoundState
     steps: list[dict[str, float]]  # full per-step metrics
     timing: dict[str, float] = field(default_factory=dict)  # seconds: load, restore, update, save
+    rollouts_path: str = ""  # the round's scored rollouts stored under `trainer.rollout_data_dir` ("" none)
 
     @property
     def policy(self) -> str:
@@ -139,12 +153,15 @@ class UpdateResult:
 
 
 def update_from_checkpoint(cfg: PPOConfig, base_model_dir: str, checkpoint_dir: Optional[str],
-                           scored: pd.DataFrame, state: RoundState, out_dir: str, sink=None) -> UpdateResult:
+                           scored: pd.DataFrame, state: RoundState, out_dir: str, sink=None,
+                           timing: Optional[dict[str, float]] = None) -> UpdateResult:
     """`steps_per_round` PPO steps over the round's scored rollouts, starting from checkpoint
     `checkpoint_dir` (weights, DeepSpeed optimizer state; its files checked against their
     digests while the trainer is built, before the state is restored) or, for the first
     round, from the base policy; saves the new checkpoint atomically under `out_dir` and
-    returns it with the new state and the step metrics.
+    returns it with the new state and the step metrics. The update half is
+    `step.update_step`'s (stored rollouts, the steps, their metrics with the generation's
+    `timing`: `timing_s/gen`, `timing_s/reward`).
     Profiler traces of the round (`trainer.profile_steps`) go inside the new checkpoint
     (`profile/`). Every round writes a checkpoint (the next round starts from it); of those
     under `out_dir`, the newest stays and, beyond it, the newest `trainer.max_ckpt_to_keep`
@@ -154,43 +171,29 @@ def update_from_checkpoint(cfg: PPOConfig, base_model_dir: str, checkpoint_dir: 
     of the rows and writes its optimizer shards; rank 0's `out_dir` is used by all ranks.
     """
     proc = S.start_process(cfg, out_dir)
-    timing: dict[str, float] = {}
+    load_timing: dict[str, float] = {}
     resume = Path(checkpoint_dir) if checkpoint_dir else None
     verified = S.start_verify(resume, proc.rank) if resume else None  # hashed while the trainer is built
     tokenizer = S.load_tokenizer(cfg, base_model_dir)
     trainer, _, _ = S.load_first_valid(cfg, proc.sizes, base_model_dir, proc.device, [S.Start(resume, state)],
                                        verify.earlier_advice(state.checkpoints, str(resume)), verified=verified,
-                                       timing=timing)
-    warn_if_unrewarded(scored, state.round + 1, proc.rank)
+                                       timing=load_timing)
     traces = proc.out / f".profile_{ckpt.round_dir_name(state.round + 1)}"
-    steps = _update(cfg, trainer, tokenizer, stages.shard_for_update(scored, cfg, proc.rank, proc.world), state,
-                    proc, traces, sink if proc.rank == 0 else None, timing)
-    steps = step_metrics(steps, stages.rollout_metrics(scored, cfg), {"timing_s/update": timing["timing_s/update"]},
-                         count_tokens(scored), proc.world, trainer, proc.device)
-    if sink is not None and proc.rank == 0:
-        for i, m in enumerate(steps):
-            sink.log_metrics(m, step=state.global_step + i + 1)
-    new = record_update(state, steps, trainer.kl_ctrl.value)
-    t = time.perf_counter()
-    final = S.save_checkpoint(proc.out, trainer, tokenizer, cfg, new, extra={"profile": traces / "profile"},
-                              on_sealed=lambda path: shutil.rmtree(traces, ignore_errors=True))
-    timing["timing_s/save_checkpoint"] = time.perf_counter() - t
-    return UpdateResult(checkpoint=str(final), state=new, steps=steps, timing=timing)
-
-
-def _update(cfg: PPOConfig, trainer, tokenizer, local: pd.DataFrame, state: RoundState, proc: S.Process,
-            traces: Path, sink, timing: dict[str, float]) -> list[dict[str, float]]:
-    """The round's PPO steps on this rank's rows `local`, with the round's update seed; the
-    profiled steps' traces go under `traces`; `timing_s/update` to `timing`."""
-    from rlhf.tracking.profiling import StepProfiler
-
     profiler = StepProfiler(cfg.trainer.profile_steps, traces, proc.device, proc.rank)
+    hooks = Hooks(share=lambda rows: stages.shard_for_update(rows, cfg, proc.rank, proc.world))
+    rows = RoundRows(rollouts=scored, scored=scored, timing=dict(timing or {}), sharded=False)
+    result = update_step(cfg, trainer, tokenizer, state, rows, proc, sink if proc.rank == 0 else None, profiler,
+                         hooks)
     t = time.perf_counter()
-    torch.manual_seed(update_seed(cfg, state.round, proc.rank))
-    with profiler.update(state.global_step + 1, cfg.trainer.steps_per_round, sink):
-        steps = stages.update(trainer, local, tokenizer.pad_token_id, cfg)
-    timing["timing_s/update"] = time.perf_counter() - t
-    return steps
+    final = S.save_checkpoint(proc.out, trainer, tokenizer, cfg, result.state, extra={"profile": traces / "profile"},
+                              on_sealed=lambda path: shutil.rmtree(traces, ignore_errors=True))
+    load_timing["timing_s/save_checkpoint"] = time.perf_counter() - t
+    if sink is not None and proc.rank == 0:  # as the in-process driver logs its checkpoint step
+        sink.log_metrics({"timing_s/save_checkpoint": load_timing["timing_s/save_checkpoint"]},
+                         step=result.state.global_step)
+    return UpdateResult(checkpoint=str(final), state=result.state, steps=result.steps,
+                        timing={**load_timing, "timing_s/update": result.timing["timing_s/update"]},
+                        rollouts_path=result.rollouts_path)
 
 
 def evaluate_policy(cfg: PPOConfig, model_dir: str, val: pd.DataFrame, state: RoundState, sink=None

@@ -41,6 +41,7 @@ CACHE_VERSION = "1"  # bump when a cached task's code changes its outputs
 GPU = H100  # the accelerator GPU tasks ask for; one constant to change per cluster
 CPU_SMALL = Resources(cpu="1", mem="2Gi")
 CPU_MEDIUM = Resources(cpu="4", mem="16Gi")
+CPU_LARGE = Resources(cpu="4", mem="64Gi")  # a whole model in host memory (a 7B model in float32 is 28 GB)
 GPU_RETRIES = 2  # GPU tasks run on interruptible (spot) nodes
 DECK = "training"  # the deck with the training curves
 # Decks a task with `enable_deck` shows after its own (the first one opens by default);

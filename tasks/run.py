@@ -1,4 +1,5 @@
-"""The run's frame: config check, tracking, the rounds' end, and the report with its decks."""
+"""The run's frame: config check, tracking, the rounds' end, the merged final policy, and the
+report with its decks."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from flytekit.types.error import FlyteError
 
 from containers.images import CPU_IMAGE
 from rlhf.checkpoint import rounds as ckpt
+from rlhf.checkpoint.adapters import save_merged
 from rlhf.config.verl_defaults import defaults_line
 from rlhf.train import stateless as P
 from rlhf.train.check import CheckFailed, preflight
@@ -27,11 +29,12 @@ from rlhf.config.load import load_config, replace
 from rlhf.config.redact import redact
 from rlhf.config.schema import ConfigError, PPOConfig
 from rlhf.config.sizes import derive_sizes
+from rlhf.models.load import LoraSetupError, is_adapter_dir, load_options
 from rlhf.tracking.plots import training_html
 from rlhf.tracking.results import summary_rows, summary_table
 from rlhf.round.state import RoundState
-from tasks.base import (CPU_SMALL, DECK, DECK_FIELDS, TRACKING_SECRETS, TRANSIENT, LaunchError, launch_seconds,
-                        retry_transient)
+from tasks.base import (CPU_LARGE, CPU_SMALL, DECK, DECK_FIELDS, TRACKING_SECRETS, TRANSIENT, LaunchError,
+                        launch_seconds, local_copy, retry_transient, workdir)
 from tasks.registry import registry_uri
 
 log = logging.getLogger(__name__)
@@ -145,6 +148,34 @@ def _fetch(fa, src: str, dest: Path) -> None:
         raise
     except Exception as e:  # flytekit wraps a missing source in its own download error
         log.info("could not download %s: %s", src, e)
+
+
+# What to do about a final policy whose adapters belong to another base than the run's.
+MERGE_FIX = ("give the base model they were trained on (the model.path of the run that wrote them), or set "
+             "trainer.save_merged=false to keep the adapter directory")
+
+
+@task(requests=CPU_LARGE, container_image=CPU_IMAGE, retries=2)
+def merge_policy(cfg: PPOConfig, base_model: FlyteDirectory, policy: FlyteDirectory) -> FlyteDirectory:
+    """The run's final policy for serving. With LoRA (`model.lora_rank` > 0) and
+    `trainer.save_merged`, the adapters in `policy` (a LoRA checkpoint's `actor/`) merged into
+    `base_model`, which must be the base they were trained on (the digests in their
+    `base_model.json`), as a plain model directory; otherwise, or when `policy` holds plain
+    weights already, `policy` itself (nothing copied)."""
+    if cfg.model.lora_rank <= 0 or not cfg.trainer.save_merged:
+        return policy
+    with retry_transient():
+        adapters, base = local_copy(policy), local_copy(base_model)
+    if not is_adapter_dir(adapters):
+        return policy
+    try:
+        out = save_merged(adapters, base, str(Path(workdir("merged_policy")) / "actor"), cfg.model.dtype,
+                          fix=MERGE_FIX, **load_options(cfg.model))
+    except LoraSetupError as e:  # named by their sources: the paths in `e` are local copies of remote ones
+        sources = tuple(str(d.remote_source or d.path) for d in (policy, base_model))
+        named = "" if sources == (adapters, base) else f" (final policy {sources[0]}, base model {sources[1]})"
+        raise LoraSetupError(f"trainer.save_merged{named}: {e}") from None
+    return FlyteDirectory(path=out)
 
 
 @task(requests=CPU_SMALL, container_image=CPU_IMAGE, enable_deck=True, deck_fields=DECK_FIELDS,

@@ -275,3 +275,61 @@ def test_smollm2_reference_merge_and_adapter_share(smollm2_dir, one_thread):
         assert not torch.allclose(adapted, want, atol=1e-2)
         base.load_state_dict(lora.merged_state_dict(model.state_dict(), lora.lora_scaling(model)), strict=False)
         torch.testing.assert_close(base(input_ids=ids).logits, adapted, rtol=1e-3, atol=1e-3)
+
+
+# -- the Flyte pipeline: trainer.save_merged gives the merged policy as its model output ----------
+
+
+def test_flyte_pipeline_outputs_the_merged_policy(tmp_path, monkeypatch):
+    """With `trainer.save_merged`, the Flyte pipeline's model output (what the report names) is a
+    plain model directory: the final checkpoint's adapters merged into the base, the logits peft
+    gives with them merged, which are not the base model's."""
+    from peft import PeftModel
+
+    from rlhf.models.load import load_causal_lm
+    from workflows.ppo import ppo_pipeline
+
+    monkeypatch.setenv("FLYTE_LOCAL_CACHE_ENABLED", "false")
+    keys = [k for k in LORA if not k.startswith(("critic.", "trainer.total_rounds"))]
+    out = ppo_pipeline(cfg=tiny_cfg(tmp_path, *keys, "trainer.total_rounds=1", "trainer.save_merged=true"))
+    merged_dir = Path(out.model.download())
+    adapters = Path(out.state.checkpoints[-1]) / "actor"
+    assert lora.is_adapter_dir(adapters), "the checkpoint should hold the adapters"
+    assert not (merged_dir / lora.ADAPTER_CONFIG).exists() and not lora.is_adapter_dir(merged_dir)
+    assert (merged_dir / "config.json").is_file()
+    base_dir = lora.read_adapter_config(adapters)["base_model_name_or_path"]
+    ids = torch.randint(3, 40, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = load_causal_lm(str(merged_dir)).eval()(input_ids=ids).logits
+        want = PeftModel.from_pretrained(load_causal_lm(base_dir), str(adapters)).merge_and_unload().eval()(
+            input_ids=ids).logits
+        base = load_causal_lm(base_dir).eval()(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, base, atol=1e-4), "the round moved no adapter"
+
+
+def test_merge_task_refuses_adapters_of_another_base_and_passes_plain_policies_on(lora_run, tmp_path):
+    import dataclasses
+
+    from flytekit.types.directory import FlyteDirectory
+
+    from tasks.run import merge_policy
+
+    out = lora_run[0]
+    actor = ckpt.latest_checkpoint(out) / "actor"
+    base = Path(lora.read_adapter_config(actor)["base_model_name_or_path"])
+    other = tmp_path / "other"
+    shutil.copytree(base, other)
+    f = next(other.glob("*.safetensors"))
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))
+    cfg = tiny_cfg(out, *LORA, "trainer.save_merged=true")
+    with pytest.raises(Exception, match="trained on other base weights") as err:
+        merge_policy(cfg=cfg, base_model=FlyteDirectory(path=str(other)), policy=FlyteDirectory(path=str(actor)))
+    message = str(err.value)
+    assert str(actor) in message and "trainer.save_merged=false" in message and "model.path" in message, message
+    # without save_merged, the policy is passed on as it is
+    plain = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, save_merged=False))
+    kept = merge_policy(cfg=plain, base_model=FlyteDirectory(path=str(other)), policy=FlyteDirectory(path=str(actor)))
+    assert Path(kept.path) == actor

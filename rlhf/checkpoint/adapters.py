@@ -10,7 +10,8 @@ and the value head), so a checkpoint is a small fraction of a full one.
 
 A resume rebuilds each model from the base (`model.path`, whose files must still have the
 digests recorded) with the saved adapters copied in; a changed base is refused, since
-adapters trained on other weights would silently mean something else.
+adapters trained on other weights would silently mean something else. `save_merged` writes
+a checkpoint's adapters merged into their (checked) base as a plain model directory.
 """
 
 from __future__ import annotations
@@ -23,9 +24,13 @@ from pathlib import Path
 
 from rlhf.checkpoint.pieces import file_digest, hash_name
 from rlhf.models import lora
-from rlhf.models.load import VALUE_CONFIG_FILE, VALUE_HEAD_FILE
+from rlhf.models.load import (VALUE_CONFIG_FILE, VALUE_HEAD_FILE, load_causal_lm, load_tokenizer,
+                              merge_saved_adapters, save_model_atomic)
 
 BASE_FILE = "base_model.json"
+# What to do about adapters of another base, when a run starts from their checkpoint.
+RESUME_FIX = ("point model.path (critic: model.critic_path) at the base they were trained on, or start without "
+              "this checkpoint (trainer.resume=disable)")
 # (dir, files' names, sizes and mtimes) -> the digests, being computed or done: each base is hashed once per process
 _DIGESTS: dict[tuple, Future] = {}
 _LOCK = threading.Lock()
@@ -75,8 +80,9 @@ def adapter_files(module, state_dict: dict, tokenizer, path: Path) -> dict[Path,
     return files
 
 
-def check_base(adapter_dir: Path, base_dir: str) -> None:
-    """Raise `LoraSetupError` unless the base files recorded in `adapter_dir` are the ones in `base_dir`."""
+def check_base(adapter_dir: Path, base_dir: str, fix: str = RESUME_FIX) -> None:
+    """Raise `LoraSetupError` unless the base files recorded in `adapter_dir` are the ones in
+    `base_dir`; its message ends with `fix`, what to do about it."""
     try:
         saved = json.loads((Path(adapter_dir) / BASE_FILE).read_text())["files"]
     except (OSError, ValueError, KeyError) as e:
@@ -87,8 +93,7 @@ def check_base(adapter_dir: Path, base_dir: str) -> None:
     if changed:
         raise lora.LoraSetupError(
             f"the adapters in {adapter_dir} were trained on other base weights than {base_dir} "
-            f"({', '.join(changed[:3])} differ): point model.path (critic: model.critic_path) at the base they were trained on, or start "
-            "without this checkpoint (trainer.resume=disable)")
+            f"({', '.join(changed[:3])} differ): {fix}")
 
 
 def restore_adapters(module, adapter_dir: Path, base_dir: str) -> None:
@@ -102,3 +107,15 @@ def restore_adapters(module, adapter_dir: Path, base_dir: str) -> None:
                                  str(Path(adapter_dir) / lora.ADAPTER_WEIGHTS))
     if hasattr(module, "value_head"):
         module.value_head.load_state_dict(load_file(str(Path(adapter_dir) / VALUE_HEAD_FILE)))
+
+
+def save_merged(adapter_dir: str | Path, base_dir: str, out_dir: str, dtype: str = "float32",
+                fix: str = RESUME_FIX, **load_kwargs) -> str:
+    """The LoRA adapters saved in `adapter_dir` (a LoRA checkpoint's `actor/`) merged into the
+    base model in `base_dir`, `W + (lora_alpha / r) B A`, written atomically to `out_dir` as a
+    plain model directory (no adapter files) with the adapter directory's tokenizer; returns
+    `out_dir`. The base is checked first to be the one they were trained on (`check_base`,
+    whose error ends with `fix`). `load_kwargs`: `rlhf.models.load.load_options`."""
+    check_base(Path(adapter_dir), base_dir, fix)
+    model = merge_saved_adapters(load_causal_lm(base_dir, dtype, **load_kwargs), adapter_dir)
+    return save_model_atomic(model, load_tokenizer(str(adapter_dir), **load_kwargs), out_dir)

@@ -249,7 +249,7 @@ class TrainerConfig:
     save_freq: int = 5  # rounds between checkpoints (plus one after the last round and at an early stop); -1 => no checkpoint, as verl (the final policy is still written)
     granularity: str = "segment"  # Flyte rounds: "segment" (K rounds per GPU task; real sizes) | "stage" (task per stage)
     rounds_per_segment: int = 10  # K: rounds one colocated Flyte segment runs (granularity=segment)
-    save_merged: bool = False  # with model.lora_rank > 0: write the actor with its adapters merged in (a plain model directory) to <output_dir>/merged_policy at the end
+    save_merged: bool = False  # with model.lora_rank > 0: write the actor with its adapters merged in (a plain model directory) to <output_dir>/merged_policy at the end; the Flyte pipeline's model output is then that merged model
 
 
 @dataclass(frozen=True)

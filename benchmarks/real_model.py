@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.real_model_common import (ENV, FORMAT_SCORE, LANES, OTHER, TASKS, load_split,  # noqa: E402
+from benchmarks.real_model_common import (DEFAULT_LANES, ENV, FORMAT_SCORE, LANES, OTHER, PPO_LANES, TASKS, load_split,  # noqa: E402
                                           seed_everything, strict_accuracy, write_task)
 
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -119,14 +119,15 @@ def warm_start(a, model_dir: str, data_dir: str, s: dict, out: Path, device) -> 
 
 
 def lane_command(a, lane: str, s: dict, out: Path, data_dir: str) -> list[str]:
-    script = "benchmarks/real_model_ppo.py" if lane == "ppo" else "benchmarks/real_model_trl.py"
+    script = "benchmarks/real_model_ppo.py" if lane in PPO_LANES else "benchmarks/real_model_trl.py"
     cmd = [sys.executable, script, "--lane", lane, "--start", str(out / "sft_model"), "--data-dir", data_dir,
            "--lane-out", str(out / f"{lane}.json"), "--policy-out", str(out / "policies" / lane),
            "--budget", str(s["budget"]), "--eval-every", str(s["eval_every"]), "--max-response",
            str(s["max_response"]), "--max-prompt", str(s["max_prompt"]), "--seed", str(a.seed)]
     cmd += ["--cpu-smoke"] if a.cpu_smoke else []
     cmd += [x for o in a.ppo_override for x in ("--ppo-override", o)]
-    return cmd + (["--trl-lr", str(a.trl_lr)] if a.trl_lr and lane != "ppo" else [])
+    cmd += ["--lora-rank", str(a.lora_rank)] if a.lora_rank else []
+    return cmd + (["--trl-lr", str(a.trl_lr)] if a.trl_lr and lane not in PPO_LANES else [])
 
 
 def _wait_until(p: subprocess.Popen, seconds: float) -> int:
@@ -149,7 +150,7 @@ def run_lanes(a, s: dict, out: Path, data_dir: str) -> dict:
     procs, commands = {}, {}
     gpu = {"DS_ACCELERATOR": "cuda"} if torch.cuda.is_available() and not a.cpu_smoke else {}
     for lane in a.lanes.split(","):
-        site = a.trl_site if lane != "ppo" else ""
+        site = a.trl_site if lane not in PPO_LANES else ""
         env = {**os.environ, **ENV, **gpu, "PYTHONPATH": os.pathsep.join(
             p for p in (site, str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
         cmd = lane_command(a, lane, s, out, data_dir)
@@ -207,7 +208,8 @@ def parse_args(argv=None):
     p.add_argument("--gguf-sha256", default=SMOLLM2_SHA256, help="expected sha256 ('' to skip the check)")
     p.add_argument("--model-cache", default="", help="where the GGUF converts to (default $RLHF_MODEL_CACHE)")
     p.add_argument("--cpu-smoke", "--tiny", action="store_true", help="a few steps of every lane on CPU")
-    p.add_argument("--lanes", default=",".join(LANES))
+    p.add_argument("--lanes", default=",".join(DEFAULT_LANES), help=f"of {', '.join(LANES)}")
+    p.add_argument("--lora-rank", type=int, default=0, help="the ppo_lora lane's LoRA rank (default 32)")
     p.add_argument("--trl-site", default="", help="directory with TRL and its dependencies (PYTHONPATH of the "
                    "TRL lanes)")
     p.add_argument("--n-train", type=int, default=5000)

@@ -21,7 +21,14 @@ EXAMPLE_CFG = ROOT / "examples" / "smollm2_gsm8k_1gpu.yaml"
 FORMAT_SCORE = 0.1  # reward of a well-formed (`#### N`) wrong answer, in every lane
 ENV = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
        "TRANSFORMERS_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
-LANES = ("ppo", "trl", "trl_ppo_schedule")
+LANES = ("ppo", "trl", "trl_ppo_schedule", "ppo_lora")
+DEFAULT_LANES = ("ppo", "trl", "trl_ppo_schedule")
+PPO_LANES = ("ppo", "ppo_lora")
+# The `ppo_lora` lane: the PPO lane with LoRA adapters of this rank on every linear layer of the
+# actor and of the critic (value head trained in full), alpha equal to the rank, and learning
+# rates ten times the full fine-tune's: LoRA's usual correction, since an adapter's update is a
+# low-rank product that starts at zero (Schulman et al., "LoRA Without Regret", 2025).
+LORA_RANK, LORA_LR_FACTOR = 32, 10.0
 
 # The problem generators: their data module and the token budgets their problems need with
 # SmolLM2's tokenizer (chat template included). Word problems: prompts <= 82 tokens, worked
@@ -147,6 +154,12 @@ def ppo_config(a):
         overrides += ["trainer.device=cpu", "deepspeed.bf16=false", "model.dtype=float32", "trainer.num_threads=1",
                       "data.train_batch_size=2", "rollout.n=2", "actor.ppo_mini_batch_size=2", "actor.ppo_epochs=1",
                       "critic.ppo_epochs=1", "rollout.name=hf"]
+    if a.lane == "ppo_lora":
+        base = load_config(str(EXAMPLE_CFG), overrides + list(a.ppo_override))
+        r = a.lora_rank or LORA_RANK
+        overrides += [f"model.lora_rank={r}", f"model.lora_alpha={r}", "model.target_modules=all-linear",
+                      f"critic.lora_rank={r}", f"critic.lora_alpha={r}", "critic.target_modules=all-linear",
+                      f"actor.lr={base.actor.lr * LORA_LR_FACTOR}", f"critic.lr={base.critic.lr * LORA_LR_FACTOR}"]
     return load_config(str(EXAMPLE_CFG), overrides + list(a.ppo_override))
 
 
@@ -181,5 +194,6 @@ def lane_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--trl-lr", type=float, default=0.0, help="TRL lanes' learning rate (0: the PPO actor's)")
     p.add_argument("--ppo-override", action="append", default=[], help="key=value for the PPO lane's config "
                    "(the TRL lanes read the PPO schedule from the same config)")
+    p.add_argument("--lora-rank", type=int, default=0, help=f"the ppo_lora lane's rank (0: {LORA_RANK})")
     p.add_argument("--cpu-smoke", "--tiny", action="store_true")
     return p

@@ -4,11 +4,13 @@ with examples/smollm2_gsm8k_1gpu.yaml, from the SFT start, for a budget of train
 Started by real_model.py as its own process. A round is the driver's update and its decision
 (`Run.update_round`, `Run.end_round`) without its checkpoint policy: the HF engine shares the
 trainer's weights and the lane measures learning, not checkpoint I/O. The final policy is saved
-to `--policy-out` after the budget, outside the timed training.
+to `--policy-out` after the budget, outside the timed training (the `ppo_lora` lane's with its
+adapters merged in: a plain model directory, as every lane's).
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -42,8 +44,10 @@ def round_record(run, result, t_train: float) -> dict:
 
 def run_ppo_lane(a) -> dict:
     """Rounds until the training-time budget, evaluated every `eval_every` training seconds."""
+    from rlhf.checkpoint.rounds import save_policy
     from rlhf.config import to_dict
     from rlhf.models.load import save_model_atomic
+    from rlhf.models.lora import has_adapters
     from rlhf.train import Run
 
     seed_everything(a.seed)
@@ -67,7 +71,14 @@ def run_ppo_lane(a) -> dict:
         if curve.due() or curve.t_train >= a.budget or stop:
             curve.evaluate(run.state.global_step, run.state.round, run.state.round * sched["samples"])
     module = run.trainer.actor.module
-    policy = save_model_atomic(module, run.tokenizer, a.policy_out)
+    if has_adapters(module):  # a plain model directory with the adapters merged in, as the other lanes'
+        out = Path(a.policy_out)
+        merged = save_policy(out.parent / f".{out.name}_merged", run.trainer.actor, run.tokenizer)
+        shutil.rmtree(out, ignore_errors=True)
+        policy = str((merged / "actor").rename(out))
+        shutil.rmtree(merged)
+    else:
+        policy = save_model_atomic(module, run.tokenizer, a.policy_out)
     run.close()
     return {"lane": a.lane, "curve": curve.points, "rounds": run.state.round, "steps": run.state.global_step,
             "stop_reason": stop, "train_s": curve.t_train, "schedule": sched, "history": history,

@@ -20,6 +20,10 @@
 #   bash benchmarks/vllm_h200.sh pyflyte OUT ROUNDS  # pyflyte run workflows/ppo.py ppo_pipeline --cfg ...
 #   bash benchmarks/vllm_h200.sh throughput OUT      # 1.5B shape: vllm against hf_fast, one call
 #   bash benchmarks/vllm_h200.sh rounds OUT DRIVER   # 1.5B rounds with vLLM (real_scale.py), 10 rounds
+#   bash benchmarks/vllm_h200.sh scale OUT SHAPE RANK DRIVERS ROUNDS  # real_scale.py rounds, LoRA of RANK (0: none)
+#   bash benchmarks/vllm_h200.sh realmodel OUT TASK SEED LANES [real_model.py args]  # SmolLM2 learning lanes
+#
+# The tree itself is made on a machine with PyPI by benchmarks/offline_site.py.
 set -o pipefail
 UP=/tmp/up SITE=/tmp/site GGUF=/tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf
 export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
@@ -71,5 +75,13 @@ case $step in
     timeout ${ROUNDS_TIMEOUT:-560} python3 benchmarks/real_scale.py --rounds 10 --drivers "${3:-in_process}" --rollout vllm \
       --ckpt-dir /dev/shm/rs --one-checkpoint --out "$out/real_scale_vllm_${3:-in_process}_h200.json" 2>&1 |
       grep -v "INFO\|WARNING" | tail -60 > "$out/rounds_${3:-in_process}.log" ;;
+  scale)
+    tag=${3}_lora${4}_${5//,/_}
+    timeout ${ROUNDS_TIMEOUT:-560} python3 benchmarks/real_scale.py --shape "$3" --lora-rank "$4" --drivers "$5" \
+      --rounds "$6" --ckpt-dir /dev/shm/rs --one-checkpoint --out "$out/real_scale_${tag}_h200.json" 2>&1 |
+      grep -v "INFO\|WARNING" | tail -80 > "$out/scale_${tag}.log" ;;
+  realmodel)
+    timeout ${ROUNDS_TIMEOUT:-560} python3 benchmarks/real_model.py --task "$3" --seed "$4" --lanes "$5" --gguf $GGUF \
+      --trl-site $SITE --out "$out/real_model_$3_seed$4" "${@:6}" 2>&1 | grep -v "INFO\|WARNING" | tail -60 ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

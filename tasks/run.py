@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 import pandas as pd
-from flytekit import Deck, task
+from flytekit import Deck, dynamic, task
 from flytekit.core.context_manager import FlyteContextManager
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.error import FlyteError
@@ -153,6 +153,15 @@ def _fetch(fa, src: str, dest: Path) -> None:
 # What to do about a final policy whose adapters belong to another base than the run's.
 MERGE_FIX = ("give the base model they were trained on (the model.path of the run that wrote them), or set "
              "trainer.save_merged=false to keep the adapter directory")
+
+
+@dynamic(requests=CPU_SMALL, container_image=CPU_IMAGE)
+def final_policy(cfg: PPOConfig, base_model: FlyteDirectory, policy: FlyteDirectory) -> FlyteDirectory:
+    """`policy`, or with LoRA and `trainer.save_merged` the `merge_policy` task's merged model:
+    the large pod a whole model needs is asked for only when there is something to merge."""
+    if cfg.model.lora_rank <= 0 or not cfg.trainer.save_merged:
+        return policy
+    return merge_policy(cfg=cfg, base_model=base_model, policy=policy)
 
 
 @task(requests=CPU_LARGE, container_image=CPU_IMAGE, retries=2)

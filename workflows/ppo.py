@@ -7,8 +7,8 @@ or an early stop, then the report.
 The rounds are a chain (`ppo_rounds`, not recursive), at one of two granularities
 (`trainer.granularity`), composing the same stage functions as `rlhf.train`:
 
-    segment:  [ppo_segment (K rounds in one GPU task) -> evaluate -> decide] -> ... -> merge_policy -> report
-    stage:    [sample_prompts -> rollout -> score -> ppo_update -> evaluate -> decide] -> ... -> merge_policy -> report
+    segment:  [ppo_segment (K rounds in one GPU task) -> evaluate -> decide] -> ... -> final_policy -> report
+    stage:    [sample_prompts -> rollout -> score -> ppo_update -> evaluate -> decide] -> ... -> final_policy -> report
 
 each link after the first behind a condition on the previous link's stop verdict.
 """
@@ -35,7 +35,7 @@ from tasks.data import (dataset_fingerprint, fit_prompts, prepare_dataset, prepa
 from tasks.evaluate import decide, evaluate, generation_gpus
 from tasks.offline import offline_config, offline_rollout
 from tasks.rollout import rollout, score_task
-from tasks.run import check_config, fail_tracking, merge_policy, report, resume_point, start_tracking
+from tasks.run import check_config, fail_tracking, final_policy, report, resume_point, start_tracking
 from tasks.segment import segment_task
 from tasks.update import elastic_for, update_task
 
@@ -159,12 +159,12 @@ def gpu_overrides(n_gpus: int) -> dict:
 def ppo_train(cfg: PPOConfig, train: Prompts, val: Prompts, base_model: FlyteDirectory) -> Trained:
     """PPO rounds from `base_model` (also the KL reference) on the given prompt tables. The
     trained `model` is the final policy; with LoRA and `trainer.save_merged`, its adapters
-    merged into `base_model` (a plain model directory, `merge_policy`)."""
+    merged into `base_model` (a plain model directory, `final_policy`)."""
     run_id = start_tracking(cfg=cfg)
     fitted = fit_prompts(cfg=cfg, train=train, val=val, policy=base_model)
     run_cfg = rounds_from_epochs(cfg=cfg, train=fitted.train)
     rounds = ppo_rounds(cfg=run_cfg, train=fitted.train, val=fitted.val, base_model=base_model, run_id=run_id)
-    model = merge_policy(cfg=run_cfg, base_model=base_model, policy=rounds.model)
+    model = final_policy(cfg=run_cfg, base_model=base_model, policy=rounds.model)
     metrics = report(cfg=run_cfg, state=rounds.state, run_id=run_id, model=model)
     return Trained(model=model, metrics=metrics, state=rounds.state, run_id=run_id)
 

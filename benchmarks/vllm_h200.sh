@@ -66,8 +66,16 @@ case $step in
   pyflyte)
     python3 -m rlhf.data.word_problems --output data/word_problems > /dev/null
     smol_cfg /tmp/pyflyte_cfg.yaml "${3:-3}" $GGUF && cp /tmp/pyflyte_cfg.yaml "$out/pyflyte_cfg.yaml"
-    timeout 300 python3 -m flytekit.clis.sdk_in_container.pyflyte run workflows/ppo.py ppo_pipeline \
-      --cfg /tmp/pyflyte_cfg.yaml 2>&1 | tee "$out/pyflyte.log" ;;
+    # pyflyte itself, with the engine's close reports (free GPU memory, what still holds it) shown
+    timeout 300 python3 - <<'EOF' 2>&1 | tee "$out/pyflyte.log"
+import logging, sys
+logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+logging.getLogger("rlhf.rollout.vllm").setLevel(logging.INFO)
+from flytekit.clis.sdk_in_container.pyflyte import main
+sys.argv = ["pyflyte", "run", "workflows/ppo.py", "ppo_pipeline", "--cfg", "/tmp/pyflyte_cfg.yaml"]
+main()
+EOF
+    ;;
   throughput)
     timeout 300 python3 benchmarks/rollout_throughput.py --engines vllm,fast --no-diagnostics \
       --out "$out/rollout_vllm_vs_fast_h200.json" 2>&1 | tail -60 > "$out/throughput.log" ;;

@@ -276,6 +276,11 @@ class VLLMRolloutEngine:
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
         cleanup_dist_env_and_memory()  # also collects garbage and empties torch's cache
+        import torch
+
+        if torch.cuda.is_available():
+            free, total = torch.cuda.mem_get_info()
+            log.info("vLLM engine closed: %.1f of %.1f GiB free on the GPU", free / 2**30, total / 2**30)
 
     def _run(self, requests: list[dict], params: SamplingParams, seed: int | None) -> list:
         if seed is None:

@@ -1,7 +1,11 @@
 """The vLLM engine's colocation on one GPU, checked on a small random Qwen2 model in a few
 seconds: the memory `release()` gives back (vLLM's level-2 sleep), the refusal to generate
 while released, and weights loaded from memory being the ones served (greedy decoding
-against the same weights in transformers).
+against the same weights in transformers). Then what a Flyte local execution needs (every
+task in one process): an engine closed after a colocated round, awake and asleep, gives its
+memory back, and a new engine at the evaluation's `gpu_memory_utilization` starts after it
+(`close_*` and `next_engine` in the results; where memory stays held, the same after
+`torch._dynamo.reset()`, which drops compiled graphs that could still refer to the engine).
 
     python benchmarks/vllm_smoke.py --out benchmarks/results/vllm_smoke.json
 """
@@ -65,6 +69,8 @@ def main(argv=None) -> dict:
     prompts = [torch.randint(3, SHAPE["vocab_size"], (n,), generator=g).tolist() for n in (5, 17, 40, 9)]
     greedy = SamplingParams(n=1, temperature=0.0, max_tokens=16)
     res: dict = {"environment": G.environment(device), "command": " ".join(["python"] + sys.argv)}
+    free = (lambda: torch.cuda.mem_get_info()[0]) if device.type == "cuda" else (lambda: 0)
+    free_start = free()
     t = time.perf_counter()
     engine = VLLMRolloutEngine(a.dir, RolloutConfig(name="vllm", gpu_memory_utilization=0.3),
                                dtype=str(dtype).removeprefix("torch."))
@@ -73,7 +79,6 @@ def main(argv=None) -> dict:
     served_a = engine.generate(prompts, greedy).response_ids
     sampled = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_tokens=16, seed=3))
     res["sampled_tokens"] = sampled.num_response_tokens()
-    free = (lambda: torch.cuda.mem_get_info()[0]) if device.type == "cuda" else (lambda: 0)
     free_awake = free()
     t = time.perf_counter()
     engine.release()
@@ -90,6 +95,8 @@ def main(argv=None) -> dict:
     res["refilled_gb"] = (free_awake - free()) / 1e9
     served_b = engine.generate(prompts, greedy).response_ids
     engine.close()
+    res["close"] = after_close(engine, free, free_start)
+    res |= closes_in_one_process(a.dir, b_model, prompts, greedy, dtype, free, device)
     hf_a, hf_b = greedy_hf(a_model, prompts, 16), greedy_hf(b_model, prompts, 16)
     same = lambda x, y: sum(u == v for r, s in zip(x, y) for u, v in zip(r, s)) / sum(len(r) for r in y)  # noqa: E731
     res.update(same_tokens_a=same(served_a, hf_a), same_tokens_b=same(served_b, hf_b),
@@ -97,6 +104,50 @@ def main(argv=None) -> dict:
     G.write_json(a.out, res)
     print(res)
     return res
+
+
+def after_close(engine, free, free_before: float) -> dict:
+    """Free memory after `close` against before the engine, and whether the engine object is gone."""
+    import gc
+
+    gc.collect()
+    return {"llm_cleared": engine.llm is None, "free_gb": free() / 1e9,
+            "held_gb": max(0.0, (free_before - free()) / 1e9)}
+
+
+def closes_in_one_process(model_dir: str, b_model, prompts, greedy, dtype, free, device) -> dict:
+    """A colocated round (release, weights from memory, generate), then close awake and, on a
+    second engine, close asleep (a segment's last update released it); then an engine at the
+    evaluation task's memory share starts in the same process."""
+    import gc
+
+    from rlhf.config import RolloutConfig
+    from rlhf.rollout.vllm import VLLMRolloutEngine
+
+    out, name = {}, str(dtype).removeprefix("torch.")
+    for end in ("awake", "asleep"):
+        before = free()
+        engine = VLLMRolloutEngine(model_dir, RolloutConfig(name="vllm", gpu_memory_utilization=0.5), dtype=name)
+        engine.generate(prompts, greedy)
+        engine.release()
+        engine.load_weights(b_model.state_dict().items())
+        engine.generate(prompts, greedy)
+        if end == "asleep":
+            engine.release()
+        engine.close()
+        out[f"close_{end}"] = after_close(engine, free, before)
+        if device.type == "cuda" and out[f"close_{end}"]["held_gb"] > 1.0:
+            torch._dynamo.reset()
+            gc.collect()
+            torch.cuda.empty_cache()
+            out[f"close_{end}"]["after_dynamo_reset_held_gb"] = max(0.0, (before - free()) / 1e9)
+    try:
+        engine = VLLMRolloutEngine(model_dir, RolloutConfig(name="vllm", gpu_memory_utilization=0.5), dtype=name)
+        out["next_engine"] = {"started": True, "tokens": engine.generate(prompts, greedy).num_response_tokens()}
+        engine.close()
+    except Exception as e:  # what the evaluation task would meet
+        out["next_engine"] = {"started": False, "error": f"{type(e).__name__}: {e}"[:500]}
+    return out
 
 
 if __name__ == "__main__":

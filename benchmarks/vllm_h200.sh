@@ -88,8 +88,11 @@ EOF
     timeout ${ROUNDS_TIMEOUT:-560} python3 benchmarks/real_scale.py --shape "$3" --lora-rank "$4" --drivers "$5" \
       --rounds "$6" --ckpt-dir /dev/shm/rs --one-checkpoint --out "$out/real_scale_${tag}_h200.json" 2>&1 |
       grep -v "INFO\|WARNING" | tail -80 > "$out/scale_${tag}.log" ;;
-  realmodel)
+  realmodel)  # the run directory stays here; what comes back (at most 8 files): results, table, plot, logs
+    run=/tmp/rm/$3/seed$4
     timeout ${ROUNDS_TIMEOUT:-560} python3 benchmarks/real_model.py --task "$3" --seed "$4" --lanes "$5" --gguf $GGUF \
-      --trl-site $SITE --out "$out/real_model_$3_seed$4" "${@:6}" 2>&1 | grep -v "INFO\|WARNING" | tail -60 ;;
+      --trl-site $SITE --out "$run" "${@:6}" 2>&1 | grep -v "INFO\|WARNING" | tail -60
+    for f in results.json results.md curve.png; do cp "$run/$f" "$out/real_model_$3_seed$4_$f" 2>/dev/null; done
+    (cd "$run" && tar cJf "$out/real_model_$3_seed$4_lanes.tar.xz" *.log *.json 2>/dev/null) ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

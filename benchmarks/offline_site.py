@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import re
 import shutil
 import subprocess
@@ -101,7 +102,7 @@ def _spec(r: Requirement) -> str:
 def build_deepspeed(dest: Path, version: str) -> None:
     if list(dest.glob("deepspeed-*.whl")):
         return
-    env = {"DS_BUILD_OPS": "0", "DS_ACCELERATOR": "cuda", **dict(__import__("os").environ)}
+    env = {"DS_BUILD_OPS": "0", "DS_ACCELERATOR": "cuda", **os.environ}
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
                     f"deepspeed=={version}", "-w", str(dest)], check=True, env=env)
 

@@ -3,7 +3,7 @@
 from rlhf.config.doc import describe_fields as _describe_fields
 from tasks.literal_types import install as _install_literal_types
 
-# The config fields get their descriptions before any literal type is built and kept: a
-# literal type memoized earlier would carry a config input schema without them.
+# Before any task's interface is built and its literal type kept: each config key's meaning (its
+# comment, as in docs/CONFIG.md) goes into the config input's schema, which the Flyte console shows.
 _describe_fields()
 _install_literal_types()

@@ -22,13 +22,8 @@ from flytekit.types.directory import FlyteDirectory
 from pandera.typing import DataFrame
 
 from rlhf.checkpoint.rounds import MANIFEST_FILE
-from rlhf.config.doc import describe_fields
 from rlhf.config.schema import ConfigError
 from schemas.prompts import PromptSchema, RolloutSchema, ScoredRolloutSchema
-
-# Before any task's interface is built: each config key's meaning (its comment, as in
-# docs/CONFIG.md) goes into the config input's schema, which the Flyte console shows.
-describe_fields()
 
 Prompts = DataFrame[PromptSchema]
 Rollouts = DataFrame[RolloutSchema]

@@ -155,11 +155,15 @@ MERGE_FIX = ("give the base model they were trained on (the model.path of the ru
              "trainer.save_merged=false to keep the adapter directory")
 
 
+def _merges(cfg: PPOConfig) -> bool:
+    return cfg.model.lora_rank > 0 and cfg.trainer.save_merged
+
+
 @dynamic(requests=CPU_SMALL, container_image=CPU_IMAGE)
 def final_policy(cfg: PPOConfig, base_model: FlyteDirectory, policy: FlyteDirectory) -> FlyteDirectory:
     """`policy`, or with LoRA and `trainer.save_merged` the `merge_policy` task's merged model:
     the large pod a whole model needs is asked for only when there is something to merge."""
-    if cfg.model.lora_rank <= 0 or not cfg.trainer.save_merged:
+    if not _merges(cfg):
         return policy
     return merge_policy(cfg=cfg, base_model=base_model, policy=policy)
 
@@ -171,7 +175,7 @@ def merge_policy(cfg: PPOConfig, base_model: FlyteDirectory, policy: FlyteDirect
     `base_model`, which must be the base they were trained on (the digests in their
     `base_model.json`), as a plain model directory; otherwise, or when `policy` holds plain
     weights already, `policy` itself (nothing copied)."""
-    if cfg.model.lora_rank <= 0 or not cfg.trainer.save_merged:
+    if not _merges(cfg):
         return policy
     with retry_transient():
         adapters, base = local_copy(policy), local_copy(base_model)

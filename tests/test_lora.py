@@ -198,6 +198,16 @@ def test_resume_from_the_first_round_ends_with_the_same_adapters(lora_run, tmp_p
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (model, name)
 
 
+def _changed_copy(base: Path, dest: Path) -> Path:
+    """A copy of the model directory `base` with one byte of its weights changed."""
+    shutil.copytree(base, dest)
+    f = next(dest.glob("*.safetensors"))
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))
+    return dest
+
+
 def test_resume_refuses_adapters_of_another_base(lora_run, tmp_path):
     import json
 
@@ -206,12 +216,7 @@ def test_resume_refuses_adapters_of_another_base(lora_run, tmp_path):
     out = lora_run[0]
     actor = ckpt.latest_checkpoint(out) / "actor"
     base = Path(json.loads((actor / "base_model.json").read_text())["path"])
-    other = tmp_path / "other"
-    shutil.copytree(base, other)
-    f = next(other.glob("*.safetensors"))
-    data = bytearray(f.read_bytes())
-    data[-1] ^= 0xFF
-    f.write_bytes(bytes(data))
+    other = _changed_copy(base, tmp_path / "other")
     check_base(actor, str(base))
     with pytest.raises(lora.LoraSetupError, match="trained on other base weights"):
         check_base(actor, str(other))
@@ -318,12 +323,7 @@ def test_merge_task_refuses_adapters_of_another_base_and_passes_plain_policies_o
     out = lora_run[0]
     actor = ckpt.latest_checkpoint(out) / "actor"
     base = Path(lora.read_adapter_config(actor)["base_model_name_or_path"])
-    other = tmp_path / "other"
-    shutil.copytree(base, other)
-    f = next(other.glob("*.safetensors"))
-    data = bytearray(f.read_bytes())
-    data[-1] ^= 0xFF
-    f.write_bytes(bytes(data))
+    other = _changed_copy(base, tmp_path / "other")
     cfg = tiny_cfg(out, *LORA, "trainer.save_merged=true")
     with pytest.raises(Exception, match="trained on other base weights") as err:
         merge_policy(cfg=cfg, base_model=FlyteDirectory(path=str(other)), policy=FlyteDirectory(path=str(actor)))

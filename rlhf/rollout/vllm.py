@@ -45,8 +45,12 @@ and on CPU it lowers torch's intra-op threads for the serving loop.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
+import sys
+import types
+import weakref
 from typing import Any, Iterable
 
 from rlhf.config.schema import RolloutConfig
@@ -260,9 +264,6 @@ class VLLMRolloutEngine:
         if self.sleeps and self.released:
             self.llm.wake_up()
             self.released = False
-        import gc
-        import weakref
-
         self.llm.llm_engine.engine_core.shutdown()
         engine, self.llm = weakref.ref(self.llm), None
         gc.collect()
@@ -314,10 +315,6 @@ class VLLMRolloutEngine:
 
 def _holders(obj: Any) -> list[str]:
     """What refers to `obj`, frames named by function and line (this call's own frames left out)."""
-    import gc
-    import sys
-    import types
-
     mine = {id(sys._getframe()), id(sys._getframe(1))}
     out = []
     for r in gc.get_referrers(obj):

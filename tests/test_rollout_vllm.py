@@ -219,3 +219,23 @@ def test_close_frees_the_engine_and_names_what_still_holds_it(setup, caplog):
     messages = [r.getMessage() for r in caplog.records if "still referenced" in r.getMessage()]
     assert messages and "list" in messages[0], messages
     held.clear()
+
+
+CACHED: dict = {}
+
+
+def test_referrer_chain_names_the_global_that_keeps_an_object():
+    """What `close` reports when the served model outlives the engine: the path back to the
+    module-level cache that holds it."""
+    from rlhf.rollout.vllm import _referrer_chain
+
+    class Served:
+        pass
+
+    CACHED["compiled"] = [Served()]
+    try:
+        chain = _referrer_chain(CACHED["compiled"][0])
+        assert chain.startswith("Served <- list <- dict <- the globals of ") and chain.endswith("test_rollout_vllm"), chain
+    finally:
+        CACHED.clear()
+    assert _referrer_chain(Served()) == "nothing visible"

@@ -258,18 +258,31 @@ class VLLMRolloutEngine:
         memory free. With sleep mode vLLM allocates through its cumem pools, which its
         allocator keeps alive after the engine is gone (their memory stays mapped) until
         `release_pools`; and memory that sleep unmapped must be mapped again before the
-        tensors holding it are freed, or the allocator's unmap fails and leaves it unusable."""
+        tensors holding it are freed, or the allocator's unmap fails and leaves it unusable.
+        A compiled engine's model (and through its attention layers, the KV cache) can stay
+        referenced from torch.compile's caches after the engine is gone: when it does, those
+        caches are reset, and whatever still holds it is named in a warning."""
         if self.llm is None:
             return
         if self.sleeps and self.released:
             self.llm.wake_up()
             self.released = False
+        parts = self._worker_parts()
         self.llm.llm_engine.engine_core.shutdown()
         engine, self.llm = weakref.ref(self.llm), None
         gc.collect()
         if engine() is not None:  # its memory stays held while anything refers to it
             log.warning("the vLLM engine is still referenced after close (by %s): its device memory is held "
                         "until they are gone", ", ".join(_holders(engine())) or "nothing visible")
+        if any(r() is not None for r in parts.values()):
+            import torch._dynamo
+
+            torch._dynamo.reset()  # compiled code and its guards can keep the served model
+            gc.collect()
+        for name, ref in parts.items():
+            if ref() is not None:
+                log.warning("vLLM's %s is still referenced after close (%s): its device memory is held",
+                            name, _referrer_chain(ref()))
         if self.sleeps:
             from vllm.device_allocator.cumem import CuMemAllocator
 
@@ -282,6 +295,27 @@ class VLLMRolloutEngine:
         if torch.cuda.is_available():
             free, total = torch.cuda.mem_get_info()
             log.info("vLLM engine closed: %.1f of %.1f GiB free on the GPU", free / 2**30, total / 2**30)
+
+    def _worker_parts(self) -> dict[str, weakref.ref]:
+        """Weak references to what holds the device memory of an in-process engine: its model
+        runner, the served model and the first KV cache tensor (none for other processes)."""
+        if not self.in_process:
+            return {}
+        try:
+            runner = self.llm.collective_rpc(_model_runner)[0]
+        except Exception:  # noqa: BLE001 - a diagnosis only; an engine without these parts has nothing to check
+            return {}
+        parts = {"model runner": runner, "model": getattr(runner, "model", None)}
+        caches = getattr(runner, "kv_caches", None)
+        if isinstance(caches, (list, tuple)) and caches and not isinstance(caches[0], (list, tuple)):
+            parts["KV cache"] = caches[0]
+        refs = {}
+        for name, obj in parts.items():
+            try:
+                refs[name] = weakref.ref(obj)
+            except TypeError:
+                pass
+        return refs
 
     def _run(self, requests: list[dict], params: SamplingParams, seed: int | None) -> list:
         if seed is None:
@@ -313,6 +347,11 @@ class VLLMRolloutEngine:
                 "data.max_prompt_length / data.max_response_length")
 
 
+def _model_runner(worker) -> Any:
+    """Run on a vLLM worker: its model runner."""
+    return worker.model_runner
+
+
 def _holders(obj: Any) -> list[str]:
     """What refers to `obj`, frames named by function and line (this call's own frames left out)."""
     mine = {id(sys._getframe()), id(sys._getframe(1))}
@@ -325,3 +364,38 @@ def _holders(obj: Any) -> list[str]:
         else:
             out.append(type(r).__name__)
     return sorted(set(out))
+
+
+def _referrer_chain(obj: Any, depth: int = 8, limit: int = 20000) -> str:
+    """One chain of referrers from `obj` back to a module's globals, a class, a frame or a code
+    object (searched breadth first), as `obj <- type <- ...`; 'nothing visible' if none is found."""
+    import collections
+
+    seen = {id(obj)}
+    first = (obj, (type(obj).__name__,))
+    queue = collections.deque([first])
+    mine = {id(sys._getframe()), id(sys._getframe(1)), id(queue), id(first)}
+    modules = {id(vars(m)): name for name, m in reversed(list(sys.modules.items())) if m is not None}
+    while queue and len(seen) < limit:
+        o, path = queue.popleft()
+        if len(path) > depth:
+            continue
+        for r in gc.get_referrers(o):
+            if id(r) in seen or id(r) in mine:
+                continue
+            seen.add(id(r))
+            if id(r) in modules:
+                end = f"the globals of {modules[id(r)]}"
+            elif isinstance(r, types.FrameType):
+                end = f"the frame of {r.f_code.co_name} at {r.f_code.co_filename}:{r.f_lineno}"
+            elif isinstance(r, type):
+                end = f"class {r.__qualname__}"
+            elif isinstance(r, types.CodeType):
+                end = f"code {r.co_qualname}"
+            else:
+                entry = (r, path + (type(r).__name__,))
+                mine.add(id(entry))
+                queue.append(entry)
+                continue
+            return " <- ".join(path + (end,))
+    return "nothing visible"

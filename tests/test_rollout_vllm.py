@@ -238,4 +238,39 @@ def test_referrer_chain_names_the_global_that_keeps_an_object():
         assert chain.startswith("Served <- list <- dict <- the globals of ") and chain.endswith("test_rollout_vllm"), chain
     finally:
         CACHED.clear()
-    assert _referrer_chain(Served()) == "nothing visible"
+    assert _referrer_chain(Served()) == "no Python object refers to it: it is held from C/C++ code"
+
+
+def test_a_closed_engine_is_parked_and_reused_for_the_next_policy(setup, monkeypatch):
+    """One engine per process (vLLM allows one sleep-mode engine, and a Flyte local execution
+    runs every task in one process): an engine that parks is kept released by `close`, the next
+    `open_engine` with the same settings and architecture gets it back serving the new
+    directory's weights, and other settings shut it down and build a new engine. Parking is
+    for sleep-mode engines on GPU; here it is switched on for vLLM's CPU build."""
+    from rlhf.rollout import vllm as V
+
+    monkeypatch.setattr(V.VLLMRolloutEngine, "parks", property(lambda self: True))
+    tok, dirs, models, prompts = setup["tok"], setup["dirs"], setup["models"], setup["prompts"]
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=MAX_TOKENS)
+    cfg = RolloutConfig(name="vllm", max_num_batched_tokens=512)
+    first = V.open_engine(dirs["a"], cfg, seed=0)
+    try:
+        assert first.generate(prompts, greedy).response_ids == [_hf_greedy(models["a"], p, tok.eos_token_id)
+                                                                for p in prompts]
+        first.close()
+        assert V._PARKED == [first] and first.llm is not None
+        with pytest.raises(RuntimeError, match="released"):
+            first.generate(prompts, greedy)
+
+        again = V.open_engine(dirs["b"], cfg, seed=0)
+        assert again is first and not V._PARKED
+        assert again.generate(prompts, greedy).response_ids == [_hf_greedy(models["b"], p, tok.eos_token_id)
+                                                                for p in prompts]
+        again.close()
+
+        other = V.open_engine(dirs["b"], RolloutConfig(name="vllm", max_num_batched_tokens=256), seed=0)
+        assert other is not first and first.llm is None and not V._PARKED
+        other.shutdown()
+    finally:
+        for engine in [*V._PARKED, first]:
+            engine.shutdown()

@@ -49,9 +49,9 @@ def _make_hf_fast(model_dir: str, tokenizer, cfg: RolloutConfig, model=None, see
 def _make_vllm(model_dir: str, tokenizer, cfg: RolloutConfig, model=None, seed: int = 0,
                device: str = "auto", dtype: str = "float32", trust_remote_code: bool = False,
                allow_network: bool = False) -> RolloutEngine:
-    from rlhf.rollout.vllm import VLLMRolloutEngine  # heavy; only when asked for
+    from rlhf.rollout.vllm import open_engine  # heavy; only when asked for
 
-    return VLLMRolloutEngine(model_dir, cfg, seed, dtype=dtype, trust_remote_code=trust_remote_code)
+    return open_engine(model_dir, cfg, seed, dtype=dtype, trust_remote_code=trust_remote_code)
 
 
 def make_engine(name: str, model_dir: str, tokenizer, cfg: RolloutConfig, model=None, seed: int = 0,

@@ -39,6 +39,16 @@ Choices, and why:
   there `release()` frees nothing, but the engine still refuses to generate until new
   weights are loaded, as on GPU.
 
+- One engine per process, reused (`open_engine`): vLLM allows one sleep-mode engine per
+  process, and an engine with CUDA graphs does not hand its KV cache back when it is shut
+  down (the graphs keep it). A Flyte local execution runs every task in one process, and
+  each task that generates builds an engine. So on GPU `close()` parks an in-process,
+  single-worker engine asleep (level 2: KV cache and weights freed) instead of shutting it
+  down, and the next engine asked for with the same settings and the same model
+  architecture and tokenizer is that one, given the new policy's weights from its
+  directory (no second engine start, no memory held twice). Settings that differ shut the
+  parked engine down first; `shutdown()` ends an engine for good.
+
 Side effects of starting vLLM in-process: it seeds torch's global RNG with `seed`,
 and on CPU it lowers torch's intra-op threads for the serving loop.
 """
@@ -51,6 +61,7 @@ import os
 import sys
 import types
 import weakref
+from pathlib import Path
 from typing import Any, Iterable
 
 from rlhf.config.schema import RolloutConfig
@@ -195,6 +206,7 @@ class VLLMRolloutEngine:
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
         self.sleeps = sleep_mode  # whether release() frees device memory
         self.released = False  # released and not given weights since
+        self.key = engine_key(model_dir, cfg, seed, dtype, max_model_len, trust_remote_code)
 
     @property
     def loads_from_memory(self) -> bool:
@@ -253,15 +265,35 @@ class VLLMRolloutEngine:
         self.llm.wake_up(tags=[tag])
 
     def close(self) -> None:
-        """Shut the engine down and hand its device memory back to the process. A Flyte local
-        execution runs every task in one process, and the next task's engine must find the
-        memory free. With sleep mode vLLM allocates through its cumem pools, which its
-        allocator keeps alive after the engine is gone (their memory stays mapped) until
-        `release_pools`; and memory that sleep unmapped must be mapped again before the
-        tensors holding it are freed, or the allocator's unmap fails and leaves it unusable.
-        A compiled engine's model (and through its attention layers, the KV cache) can stay
-        referenced from torch.compile's caches after the engine is gone: when it does, those
-        caches are reset, and whatever still holds it is named in a warning."""
+        """Give the engine's device memory back: park it asleep for the next `open_engine` of
+        this process (`parks`), else shut it down."""
+        if self.llm is None:
+            return
+        if self.parks:
+            self.release()
+            if _PARKED and _PARKED[0] is not self:
+                _PARKED.pop().shutdown()
+            _PARKED[:] = [self]
+            log.info("vLLM engine parked asleep for the next engine of this process%s", _free_gpu_text())
+            return
+        self.shutdown()
+
+    @property
+    def parks(self) -> bool:
+        """Whether `close` keeps this engine asleep for reuse: a sleep-mode engine whose one
+        worker lives in this process."""
+        return self.sleeps and self.in_process and self.group.size == 1
+
+    def shutdown(self) -> None:
+        """End the engine for good and hand its device memory back to the process (what
+        `close` does for an engine that is not parked). With sleep mode vLLM allocates through
+        its cumem pools, which its allocator keeps alive after the engine is gone until
+        `release_pools`; memory that sleep unmapped must be mapped again before the tensors
+        holding it are freed, or the allocator's unmap fails and leaves it unusable. The
+        served model and its KV cache can outlive the engine (torch.compile's caches, CUDA
+        graphs): those caches are reset, and whatever still holds them is named in a warning."""
+        if _PARKED and _PARKED[0] is self:
+            _PARKED.clear()
         if self.llm is None:
             return
         if self.sleeps and self.released:
@@ -272,7 +304,7 @@ class VLLMRolloutEngine:
         engine, self.llm = weakref.ref(self.llm), None
         gc.collect()
         if engine() is not None:  # its memory stays held while anything refers to it
-            log.warning("the vLLM engine is still referenced after close (by %s): its device memory is held "
+            log.warning("the vLLM engine is still referenced after shutdown (by %s): its device memory is held "
                         "until they are gone", ", ".join(_holders(engine())) or "nothing visible")
         if any(r() is not None for r in parts.values()):
             import torch._dynamo
@@ -281,7 +313,7 @@ class VLLMRolloutEngine:
             gc.collect()
         for name, ref in parts.items():
             if ref() is not None:
-                log.warning("vLLM's %s is still referenced after close (%s): its device memory is held",
+                log.warning("vLLM's %s is still referenced after shutdown (%s): its device memory is held",
                             name, _referrer_chain(ref()))
         if self.sleeps:
             from vllm.device_allocator.cumem import CuMemAllocator
@@ -290,11 +322,7 @@ class VLLMRolloutEngine:
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
         cleanup_dist_env_and_memory()  # also collects garbage and empties torch's cache
-        import torch
-
-        if torch.cuda.is_available():
-            free, total = torch.cuda.mem_get_info()
-            log.info("vLLM engine closed: %.1f of %.1f GiB free on the GPU", free / 2**30, total / 2**30)
+        log.info("vLLM engine shut down%s", _free_gpu_text())
 
     def _worker_parts(self) -> dict[str, weakref.ref]:
         """Weak references to what holds the device memory of an in-process engine: its model
@@ -347,6 +375,57 @@ class VLLMRolloutEngine:
                 "data.max_prompt_length / data.max_response_length")
 
 
+_PARKED: list[VLLMRolloutEngine] = []  # the engine `close` kept asleep for reuse (at most one)
+_IDENTITY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
+                   "generation_config.json")
+
+
+def open_engine(model_dir: str, cfg: RolloutConfig, seed: int = 0, dtype: str | None = None,
+                max_model_len: int | None = None, trust_remote_code: bool = False) -> VLLMRolloutEngine:
+    """An engine serving the weights in `model_dir`: the parked one when it was built with the
+    same settings for the same architecture and tokenizer (given these weights from the
+    directory), else a new one (a parked engine of other settings is shut down first)."""
+    check_weights_dir(model_dir)
+    if _PARKED:
+        engine = _PARKED.pop()
+        if engine.key == engine_key(model_dir, cfg, seed, dtype, max_model_len, trust_remote_code):
+            engine.update_weights(model_dir)
+            log.info("vLLM engine reused for %s%s", model_dir, _free_gpu_text())
+            return engine
+        engine.shutdown()
+    return VLLMRolloutEngine(model_dir, cfg, seed, dtype=dtype, max_model_len=max_model_len,
+                             trust_remote_code=trust_remote_code)
+
+
+def engine_key(model_dir: str, cfg: RolloutConfig, seed: int, dtype: str | None, max_model_len: int | None,
+               trust_remote_code: bool) -> str:
+    """What an engine is built from, its weights and paths aside: the rollout settings, seed and
+    dtype, the model's config (architecture) and the tokenizer's and generation config's files."""
+    import dataclasses
+    import hashlib
+    import json
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    for k in ("_name_or_path", "transformers_version"):
+        config.pop(k, None)
+    files = hashlib.sha256()
+    for name in _IDENTITY_FILES:
+        f = Path(model_dir) / name
+        files.update(name.encode() + (f.read_bytes() if f.is_file() else b"-"))
+    return json.dumps([dataclasses.asdict(cfg), seed, dtype, max_model_len, trust_remote_code, config,
+                       files.hexdigest()], sort_keys=True, default=str)
+
+
+def _free_gpu_text() -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        return ""
+    free, total = torch.cuda.mem_get_info()
+    return f": {free / 2**30:.1f} of {total / 2**30:.1f} GiB free on the GPU"
+
+
 def _model_runner(worker) -> Any:
     """Run on a vLLM worker: its model runner."""
     return worker.model_runner
@@ -368,7 +447,8 @@ def _holders(obj: Any) -> list[str]:
 
 def _referrer_chain(obj: Any, depth: int = 8, limit: int = 20000) -> str:
     """One chain of referrers from `obj` back to a module's globals, a class, a frame or a code
-    object (searched breadth first), as `obj <- type <- ...`; 'nothing visible' if none is found."""
+    object (searched breadth first), as `obj <- type <- ...`; else whether no Python object
+    refers to it (it is held from C/C++) or the search gave up."""
     import collections
 
     seen = {id(obj)}
@@ -376,7 +456,10 @@ def _referrer_chain(obj: Any, depth: int = 8, limit: int = 20000) -> str:
     queue = collections.deque([first])
     mine = {id(sys._getframe()), id(sys._getframe(1)), id(queue), id(first)}
     modules = {id(vars(m)): name for name, m in reversed(list(sys.modules.items())) if m is not None}
-    while queue and len(seen) < limit:
+    longest = first[1]
+    while queue:
+        if len(seen) >= limit:
+            return f"not found among {limit} objects; deepest: {' <- '.join(longest)}"
         o, path = queue.popleft()
         if len(path) > depth:
             continue
@@ -396,6 +479,9 @@ def _referrer_chain(obj: Any, depth: int = 8, limit: int = 20000) -> str:
                 entry = (r, path + (type(r).__name__,))
                 mine.add(id(entry))
                 queue.append(entry)
+                longest = entry[1] if len(entry[1]) > len(longest) else longest
                 continue
             return " <- ".join(path + (end,))
-    return "nothing visible"
+    if len(longest) == 1:
+        return "no Python object refers to it: it is held from C/C++ code"
+    return f"no root within {depth} steps; deepest: {' <- '.join(longest)} (held from C/C++ code)"

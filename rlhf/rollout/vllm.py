@@ -313,8 +313,10 @@ class VLLMRolloutEngine:
             gc.collect()
         for name, ref in parts.items():
             if ref() is not None:
-                log.warning("vLLM's %s is still referenced after shutdown (%s): its device memory is held",
-                            name, _referrer_chain(ref()))
+                log.warning("vLLM's %s is still referenced after shutdown (%s): its device memory stays held, "
+                            "and a next sleep-mode engine in this process will not start. Give every engine "
+                            "of a process the same rollout settings (the parked one is then reused) or set "
+                            "rollout.enforce_eager=true", name, _referrer_chain(ref()))
         if self.sleeps:
             from vllm.device_allocator.cumem import CuMemAllocator
 
@@ -376,9 +378,14 @@ class VLLMRolloutEngine:
 
 
 _PARKED: list[VLLMRolloutEngine] = []  # the engine `close` kept asleep for reuse (at most one)
-_IDENTITY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
-                   "generation_config.json")
+_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+                    "chat_template.jinja")
+# tokenizer_config.json keys that define tokens (saving again adds load-time keys such as is_local)
+_TOKENIZER_KEYS = ("added_tokens_decoder", "bos_token", "eos_token", "pad_token", "unk_token", "chat_template",
+                   "tokenizer_class")
+# config.json keys that a saved policy may change without changing the engine it needs
+_CONFIG_NOT_ENGINE = ("_name_or_path", "transformers_version", "use_cache", "_attn_implementation",
+                      "_attn_implementation_autoset", "output_attentions", "output_hidden_states", "return_dict")
 
 
 def open_engine(model_dir: str, cfg: RolloutConfig, seed: int = 0, dtype: str | None = None,
@@ -401,20 +408,26 @@ def open_engine(model_dir: str, cfg: RolloutConfig, seed: int = 0, dtype: str | 
 def engine_key(model_dir: str, cfg: RolloutConfig, seed: int, dtype: str | None, max_model_len: int | None,
                trust_remote_code: bool) -> str:
     """What an engine is built from, its weights and paths aside: the rollout settings, seed and
-    dtype, the model's config (architecture) and the tokenizer's and generation config's files."""
+    dtype, the model's config (architecture), the tokenizer's files and tokens and the EOS ids
+    of the generation config."""
     import dataclasses
     import hashlib
     import json
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    for k in ("_name_or_path", "transformers_version"):
+    for k in _CONFIG_NOT_ENGINE + (("torch_dtype", "dtype") if dtype not in (None, "auto") else ()):
         config.pop(k, None)
     files = hashlib.sha256()
-    for name in _IDENTITY_FILES:
+    for name in _TOKENIZER_FILES:
         f = Path(model_dir) / name
         files.update(name.encode() + (f.read_bytes() if f.is_file() else b"-"))
+    tok_cfg = Path(model_dir) / "tokenizer_config.json"
+    tokens = json.loads(tok_cfg.read_text()) if tok_cfg.is_file() else {}
+    files.update(json.dumps({k: tokens.get(k) for k in _TOKENIZER_KEYS}, sort_keys=True, default=str).encode())
+    generation = Path(model_dir) / "generation_config.json"  # its EOS ids are stop tokens
+    eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
     return json.dumps([dataclasses.asdict(cfg), seed, dtype, max_model_len, trust_remote_code, config,
-                       files.hexdigest()], sort_keys=True, default=str)
+                       files.hexdigest(), eos], sort_keys=True, default=str)
 
 
 def _free_gpu_text() -> str:

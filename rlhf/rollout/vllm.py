@@ -55,6 +55,7 @@ and on CPU it lowers torch's intra-op threads for the serving loop.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import os
@@ -273,6 +274,8 @@ class VLLMRolloutEngine:
             self.release()
             if _PARKED and _PARKED[0] is not self:
                 _PARKED.pop().shutdown()
+            atexit.unregister(_shutdown_parked)  # once, and before vLLM's own exit hooks (last in, first run)
+            atexit.register(_shutdown_parked)
             _PARKED[:] = [self]
             log.info("vLLM engine parked asleep for the next engine of this process%s", _free_gpu_text())
             return
@@ -284,14 +287,15 @@ class VLLMRolloutEngine:
         worker lives in this process."""
         return self.sleeps and self.in_process and self.group.size == 1
 
-    def shutdown(self) -> None:
+    def shutdown(self, report: bool = True) -> None:
         """End the engine for good and hand its device memory back to the process (what
         `close` does for an engine that is not parked). With sleep mode vLLM allocates through
         its cumem pools, which its allocator keeps alive after the engine is gone until
         `release_pools`; memory that sleep unmapped must be mapped again before the tensors
         holding it are freed, or the allocator's unmap fails and leaves it unusable. The
         served model and its KV cache can outlive the engine (torch.compile's caches, CUDA
-        graphs): those caches are reset, and whatever still holds them is named in a warning."""
+        graphs): those caches are reset, and whatever still holds them is named in a warning
+        (`report`; not at the process's exit, where nothing is built after)."""
         if _PARKED and _PARKED[0] is self:
             _PARKED.clear()
         if self.llm is None:
@@ -299,11 +303,11 @@ class VLLMRolloutEngine:
         if self.sleeps and self.released:
             self.llm.wake_up()
             self.released = False
-        parts = self._worker_parts()
+        parts = self._worker_parts() if report else {}
         self.llm.llm_engine.engine_core.shutdown()
         engine, self.llm = weakref.ref(self.llm), None
         gc.collect()
-        if engine() is not None:  # its memory stays held while anything refers to it
+        if report and engine() is not None:  # its memory stays held while anything refers to it
             log.warning("the vLLM engine is still referenced after shutdown (by %s): its device memory is held "
                         "until they are gone", ", ".join(_holders(engine())) or "nothing visible")
         if any(r() is not None for r in parts.values()):
@@ -403,6 +407,13 @@ def open_engine(model_dir: str, cfg: RolloutConfig, seed: int = 0, dtype: str | 
         engine.shutdown()
     return VLLMRolloutEngine(model_dir, cfg, seed, dtype=dtype, max_model_len=max_model_len,
                              trust_remote_code=trust_remote_code)
+
+
+def _shutdown_parked() -> None:
+    """At the process's exit: wake and shut down the parked engine (sleep unmapped its memory,
+    which must be mapped again before its tensors are freed)."""
+    for engine in list(_PARKED):
+        engine.shutdown(report=False)
 
 
 def engine_key(model_dir: str, cfg: RolloutConfig, seed: int, dtype: str | None, max_model_len: int | None,

@@ -32,7 +32,11 @@ def pick_device(name: str = "auto") -> torch.device:
 def init_distributed(device: torch.device) -> tuple[int, int]:
     """Initialise (or reuse) the default process group; returns (rank, world_size)."""
     if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if world == 1:  # a group made in this process (an in-process vLLM engine's): no launcher set these
+            for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+                os.environ.setdefault(k, v)
+        return rank, world
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")

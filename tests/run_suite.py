@@ -35,15 +35,38 @@ def main(argv: list[str]) -> int:
     with open(log, "w") as out:
         beside = subprocess.Popen([*PYTEST, *BESIDE], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
         try:
-            main_rc = subprocess.call([*PYTEST, *(f"--ignore={f}" for f in BESIDE)], cwd=ROOT)
+            main_rc, main_failures = _run_echoing([*PYTEST, *(f"--ignore={f}" for f in BESIDE)])
         finally:
             beside_rc = beside.wait()
     print(f"\n--- {' '.join(BESIDE)} (run beside the rest; log {log.relative_to(ROOT)}) ---", flush=True)
-    print(log.read_text(), end="", flush=True)
+    beside_text = log.read_text()
+    print(beside_text, end="", flush=True)
+    failures = main_failures + _failure_lines(beside_text.splitlines())
+    if failures:  # last, so that a log cut to its tail still names every failed test
+        print(f"--- {len(failures)} failed or in error (both runs) ---", flush=True)
+        print("\n".join(failures), flush=True)
     status = "passed" if main_rc == 0 and beside_rc == 0 else "FAILED"
     print(f"--- suite {status}: main run exit {main_rc}, beside run exit {beside_rc}, "
           f"{time.monotonic() - t0:.0f} s in all ---", flush=True)
     return 1 if main_rc or beside_rc else 0
+
+
+def _failure_lines(lines) -> list[str]:
+    """pytest's short summary lines of failed and erroring tests."""
+    return [line.rstrip() for line in lines if line.startswith(("FAILED ", "ERROR "))]
+
+
+def _run_echoing(cmd: list[str]) -> tuple[int, list[str]]:
+    """Run pytest with its output passed straight through; return its exit status and failure lines."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace", bufsize=1)
+    seen: list[str] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        seen.extend(_failure_lines([line]))
+    return proc.wait(), seen
 
 
 if __name__ == "__main__":

@@ -56,16 +56,20 @@ def test_val_temperature_reaches_the_validation_sampler():
         assert params.seed == (3 if temp > 0 else None)
 
 
-def test_vllm_engine_gets_model_dtype_and_trust_remote_code(monkeypatch):
+def test_vllm_engine_gets_model_dtype_and_trust_remote_code(tmp_path, monkeypatch):
     import rlhf.rollout.vllm as V
     from rlhf.rollout import make_engine
 
     seen = {}
     monkeypatch.setattr(V, "VLLMRolloutEngine", lambda model_dir, cfg, seed, **kw: seen.update(kw) or "engine")
+    monkeypatch.setattr(V, "_PARKED", [])  # no engine parked by another test is reused
     cfg = load_config(None, ["model.dtype=bfloat16", "model.trust_remote_code=true", "rollout.name=vllm"])
-    assert make_engine("vllm", "/m", None, cfg.rollout, dtype=cfg.model.dtype,
+    with pytest.raises(FileNotFoundError, match="does not exist"):  # checked before any engine is built
+        make_engine("vllm", str(tmp_path / "missing"), None, cfg.rollout)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert make_engine("vllm", str(tmp_path), None, cfg.rollout, dtype=cfg.model.dtype,
                        trust_remote_code=cfg.model.trust_remote_code) == "engine"
-    assert seen == {"dtype": "bfloat16", "trust_remote_code": True}
+    assert seen == {"dtype": "bfloat16", "trust_remote_code": True, "max_model_len": None}
     kw = V.engine_kwargs("/m", cfg.rollout, 0, on_cpu=True, dtype="bfloat16", trust_remote_code=True)
     assert kw["dtype"] == "bfloat16" and kw["trust_remote_code"] is True
     assert V.engine_kwargs("/m", cfg.rollout, 0, on_cpu=True)["trust_remote_code"] is False

@@ -212,12 +212,12 @@ def seeds_markdown(agg: dict) -> str:
                  f" | {_fmt(agg['lanes'].get('ppo', next(iter(agg['lanes'].values())))['start'])} | 0 | 0 | "
                  f"{_fmt(sh['own'])} | {_fmt(sh['other'])} |")
     if agg["ppo_lead"]:
-        lines += ["", "| PPO minus | end (paired by seed) | in SEs | own test | other generator | in SEs |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["", "| PPO minus (paired by seed) | end of run | in SEs | own test | in SEs | other generator | in SEs |",
+                  "|---|---|---|---|---|---|---|"]
         for lane, d in agg["ppo_lead"].items():
-            ses = [f"{d[k]['in_se']:.1f}" if d[k]["in_se"] is not None else "-" for k in ("end", "heldout_other")]
-            lines.append(f"| {lane} | {_fmt(d['end'])} | {ses[0]} | {_fmt(d['heldout_own'])} | "
-                         f"{_fmt(d['heldout_other'])} | {ses[1]} |")
+            cells = [f"{_fmt(d[k])} | " + (f"{d[k]['in_se']:.1f}" if d[k]["in_se"] is not None else "-")
+                     for k in ("end", "heldout_own", "heldout_other")]
+            lines.append(f"| {lane} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -274,3 +274,39 @@ def test_a_closed_engine_is_parked_and_reused_for_the_next_policy(setup, monkeyp
     finally:
         for engine in [*V._PARKED, first]:
             engine.shutdown()
+
+
+def test_an_engine_key_names_what_differs_and_open_engine_says_why_it_builds_anew(setup, tmp_path, monkeypatch,
+                                                                                  caplog):
+    """Two policies of one architecture and tokenizer have one key (so the parked engine is
+    reused); other rollout settings or another architecture are named, and `open_engine` says
+    which before it shuts the parked engine down."""
+    from rlhf.rollout import vllm as V
+
+    dirs = setup["dirs"]
+    cfg = RolloutConfig(name="vllm", max_num_batched_tokens=512)
+    key = V.engine_key(dirs["a"], cfg, 0, None, None, False)
+    assert V.key_differences(key, V.engine_key(dirs["b"], cfg, 0, None, None, False)) == []
+    other = V.engine_key(dirs["a"], RolloutConfig(name="vllm", max_num_batched_tokens=256), 1, None, None, False)
+    assert V.key_differences(key, other) == ["rollout.max_num_batched_tokens (512 -> 256)", "seed (0 -> 1)"]
+    model = _build(setup["tok"], 0, False)
+    model.config.num_hidden_layers = 3  # another architecture's config.json
+    model.save_pretrained(tmp_path)
+    setup["tok"].save_pretrained(tmp_path)
+    assert V.key_differences(key, V.engine_key(str(tmp_path), cfg, 0, None, None, False)) == [
+        "model config.num_hidden_layers (2 -> 3)"]
+
+    class Parked:
+        def __init__(self):
+            self.key, self.shut = key, False
+
+        def shutdown(self):
+            self.shut = True
+
+    parked = Parked()
+    monkeypatch.setattr(V, "_PARKED", [parked])
+    monkeypatch.setattr(V, "VLLMRolloutEngine", lambda model_dir, cfg, seed, **kw: ("new", model_dir))
+    with caplog.at_level("WARNING", logger=V.log.name):
+        assert V.open_engine(dirs["b"], cfg, seed=1) == ("new", dirs["b"])
+    assert parked.shut and V._PARKED == []
+    assert "not reused" in caplog.text and "seed (0 -> 1)" in caplog.text

@@ -56,7 +56,10 @@ and on CPU it lowers torch's intra-op threads for the serving loop.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import gc
+import hashlib
+import json
 import logging
 import os
 import sys
@@ -400,10 +403,15 @@ def open_engine(model_dir: str, cfg: RolloutConfig, seed: int = 0, dtype: str | 
     check_weights_dir(model_dir)
     if _PARKED:
         engine = _PARKED.pop()
-        if engine.key == engine_key(model_dir, cfg, seed, dtype, max_model_len, trust_remote_code):
+        changed = key_differences(engine.key, engine_key(model_dir, cfg, seed, dtype, max_model_len,
+                                                         trust_remote_code))
+        if not changed:
             engine.update_weights(model_dir)
             log.info("vLLM engine reused for %s%s", model_dir, _free_gpu_text())
             return engine
+        log.warning("the parked vLLM engine is not reused for %s: it was built with other %s; it is shut down "
+                    "and a new engine built (one sleep-mode engine per process on GPU: give every engine of a "
+                    "process the same settings)", model_dir, "; ".join(changed))
         engine.shutdown()
     return VLLMRolloutEngine(model_dir, cfg, seed, dtype=dtype, max_model_len=max_model_len,
                              trust_remote_code=trust_remote_code)
@@ -417,14 +425,10 @@ def _shutdown_parked() -> None:
 
 
 def engine_key(model_dir: str, cfg: RolloutConfig, seed: int, dtype: str | None, max_model_len: int | None,
-               trust_remote_code: bool) -> str:
+               trust_remote_code: bool) -> dict:
     """What an engine is built from, its weights and paths aside: the rollout settings, seed and
     dtype, the model's config (architecture), the tokenizer's files and tokens and the EOS ids
-    of the generation config."""
-    import dataclasses
-    import hashlib
-    import json
-
+    of the generation config (as JSON values, so that two keys compare by value)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     for k in _CONFIG_NOT_ENGINE + (("torch_dtype", "dtype") if dtype not in (None, "auto") else ()):
         config.pop(k, None)
@@ -437,8 +441,28 @@ def engine_key(model_dir: str, cfg: RolloutConfig, seed: int, dtype: str | None,
     files.update(json.dumps({k: tokens.get(k) for k in _TOKENIZER_KEYS}, sort_keys=True, default=str).encode())
     generation = Path(model_dir) / "generation_config.json"  # its EOS ids are stop tokens
     eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
-    return json.dumps([dataclasses.asdict(cfg), seed, dtype, max_model_len, trust_remote_code, config,
-                       files.hexdigest(), eos], sort_keys=True, default=str)
+    return json.loads(json.dumps({"rollout": dataclasses.asdict(cfg), "seed": seed, "dtype": dtype,
+                                  "max_model_len": max_model_len, "trust_remote_code": trust_remote_code,
+                                  "model config": config, "tokenizer": files.hexdigest(), "generation eos": eos},
+                                 default=str))
+
+
+def key_differences(old: dict, new: dict) -> list[str]:
+    """What differs between two `engine_key`s, named: `rollout.<key> (old -> new)` for the
+    rollout settings and the model config's keys, the part's name for the rest."""
+    out = []
+    for part in sorted(old.keys() | new.keys()):
+        a, b = old.get(part), new.get(part)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict) and part in ("rollout", "model config"):
+            out += [f"{part}.{k} ({a.get(k)!r} -> {b.get(k)!r})" for k in sorted(a.keys() | b.keys())
+                    if a.get(k) != b.get(k)]
+        elif part == "tokenizer":
+            out.append("tokenizer files")
+        else:
+            out.append(f"{part} ({a!r} -> {b!r})")
+    return out
 
 
 def _free_gpu_text() -> str:

@@ -263,9 +263,7 @@ class VLLMRolloutEngine:
         """Wake one part of a sleeping engine; torch's cache first hands back what the update freed."""
         if not (self.released and self.sleeps):
             return
-        import torch
-
-        torch.cuda.empty_cache()
+        _empty_torch_cache()
         self.llm.wake_up(tags=[tag])
 
     def close(self) -> None:
@@ -304,7 +302,9 @@ class VLLMRolloutEngine:
         if self.llm is None:
             return
         if self.sleeps and self.released:
-            self.llm.wake_up()
+            gc.collect()
+            _empty_torch_cache()  # hands back what the trainer freed before the engine maps its memory again
+            self.llm.wake_up()  # every tag: memory left unmapped would be unmapped again when freed
             self.released = False
         parts = self._worker_parts() if report else {}
         self.llm.llm_engine.engine_core.shutdown()
@@ -463,6 +463,13 @@ def key_differences(old: dict, new: dict) -> list[str]:
         else:
             out.append(f"{part} ({a!r} -> {b!r})")
     return out
+
+
+def _empty_torch_cache() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _free_gpu_text() -> str:

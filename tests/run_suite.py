@@ -60,13 +60,13 @@ def _run_echoing(cmd: list[str]) -> tuple[int, list[str]]:
     """Run pytest with its output passed straight through; return its exit status and failure lines."""
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             errors="replace", bufsize=1)
-    seen: list[str] = []
+    lines: list[str] = []
     assert proc.stdout is not None
     for line in proc.stdout:
         sys.stdout.write(line)
         sys.stdout.flush()
-        seen.extend(_failure_lines([line]))
-    return proc.wait(), seen
+        lines.append(line)
+    return proc.wait(), _failure_lines(lines)
 
 
 if __name__ == "__main__":

@@ -227,7 +227,7 @@ CACHED: dict = {}
 def test_referrer_chain_names_the_global_that_keeps_an_object():
     """What `close` reports when the served model outlives the engine: the path back to the
     module-level cache that holds it."""
-    from rlhf.rollout.vllm import _referrer_chain
+    from rlhf.rollout.vllm_memory import referrer_chain as _referrer_chain
 
     class Served:
         pass

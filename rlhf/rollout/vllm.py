@@ -47,7 +47,9 @@ Choices, and why:
   down, and the next engine asked for with the same settings and the same model
   architecture and tokenizer is that one, given the new policy's weights from its
   directory (no second engine start, no memory held twice). Settings that differ shut the
-  parked engine down first; `shutdown()` ends an engine for good.
+  parked engine down first; `shutdown()` ends an engine for good. The key compared is
+  `rlhf.rollout.vllm_key`'s; what still holds a shut-down engine is found by
+  `rlhf.rollout.vllm_memory`.
 
 Side effects of starting vLLM in-process: it seeds torch's global RNG with `seed`,
 and on CPU it lowers torch's intra-op threads for the serving loop.
@@ -56,22 +58,18 @@ and on CPU it lowers torch's intra-op threads for the serving loop.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import gc
-import hashlib
-import json
 import logging
 import os
-import sys
-import types
 import weakref
-from pathlib import Path
 from typing import Any, Iterable
 
 from rlhf.config.schema import RolloutConfig
 from rlhf.rollout.base import RolloutBatch, SamplingParams
 from rlhf.rollout.hf import check_params
 from rlhf.rollout.vllm_group import EngineGroup, PromptExchange, engine_group
+from rlhf.rollout.vllm_key import engine_key, key_differences
+from rlhf.rollout.vllm_memory import empty_torch_cache, free_gpu_text, holders, referrer_chain, worker_parts
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +261,7 @@ class VLLMRolloutEngine:
         """Wake one part of a sleeping engine; torch's cache first hands back what the update freed."""
         if not (self.released and self.sleeps):
             return
-        _empty_torch_cache()
+        empty_torch_cache()
         self.llm.wake_up(tags=[tag])
 
     def close(self) -> None:
@@ -278,7 +276,7 @@ class VLLMRolloutEngine:
             atexit.unregister(_shutdown_parked)  # once, and before vLLM's own exit hooks (last in, first run)
             atexit.register(_shutdown_parked)
             _PARKED[:] = [self]
-            log.info("vLLM engine parked asleep for the next engine of this process%s", _free_gpu_text())
+            log.info("vLLM engine parked asleep for the next engine of this process%s", free_gpu_text())
             return
         self.shutdown()
 
@@ -303,16 +301,16 @@ class VLLMRolloutEngine:
             return
         if self.sleeps and self.released:
             gc.collect()
-            _empty_torch_cache()  # hands back what the trainer freed before the engine maps its memory again
+            empty_torch_cache()  # hands back what the trainer freed before the engine maps its memory again
             self.llm.wake_up()  # every tag: memory left unmapped would be unmapped again when freed
             self.released = False
-        parts = self._worker_parts() if report else {}
+        parts = worker_parts(self.llm) if report and self.in_process else {}
         self.llm.llm_engine.engine_core.shutdown()
         engine, self.llm = weakref.ref(self.llm), None
         gc.collect()
         if report and engine() is not None:  # its memory stays held while anything refers to it
             log.warning("the vLLM engine is still referenced after shutdown (by %s): its device memory is held "
-                        "until they are gone", ", ".join(_holders(engine())) or "nothing visible")
+                        "until they are gone", ", ".join(holders(engine())) or "nothing visible")
         if any(r() is not None for r in parts.values()):
             import torch._dynamo
 
@@ -323,7 +321,7 @@ class VLLMRolloutEngine:
                 log.warning("vLLM's %s is still referenced after shutdown (%s): its device memory stays held, "
                             "and a next sleep-mode engine in this process will not start. Give every engine "
                             "of a process the same rollout settings (the parked one is then reused) or set "
-                            "rollout.enforce_eager=true", name, _referrer_chain(ref()))
+                            "rollout.enforce_eager=true", name, referrer_chain(ref()))
         if self.sleeps:
             from vllm.device_allocator.cumem import CuMemAllocator
 
@@ -331,28 +329,7 @@ class VLLMRolloutEngine:
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
         cleanup_dist_env_and_memory()  # also collects garbage and empties torch's cache
-        log.info("vLLM engine shut down%s", _free_gpu_text())
-
-    def _worker_parts(self) -> dict[str, weakref.ref]:
-        """Weak references to what holds the device memory of an in-process engine: its model
-        runner, the served model and the first KV cache tensor (none for other processes)."""
-        if not self.in_process:
-            return {}
-        try:
-            runner = self.llm.collective_rpc(_model_runner)[0]
-        except Exception:  # noqa: BLE001 - a diagnosis only; an engine without these parts has nothing to check
-            return {}
-        parts = {"model runner": runner, "model": getattr(runner, "model", None)}
-        caches = getattr(runner, "kv_caches", None)
-        if isinstance(caches, (list, tuple)) and caches and not isinstance(caches[0], (list, tuple)):
-            parts["KV cache"] = caches[0]
-        refs = {}
-        for name, obj in parts.items():
-            try:
-                refs[name] = weakref.ref(obj)
-            except TypeError:
-                pass
-        return refs
+        log.info("vLLM engine shut down%s", free_gpu_text())
 
     def _run(self, requests: list[dict], params: SamplingParams, seed: int | None) -> list:
         if seed is None:
@@ -385,16 +362,6 @@ class VLLMRolloutEngine:
 
 
 _PARKED: list[VLLMRolloutEngine] = []  # the engine `close` kept asleep for reuse (at most one)
-_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
-                    "chat_template.jinja")
-# tokenizer_config.json keys that define tokens (saving again adds load-time keys such as is_local)
-_TOKENIZER_KEYS = ("added_tokens_decoder", "bos_token", "eos_token", "pad_token", "unk_token", "chat_template",
-                   "tokenizer_class")
-# config.json keys that a saved policy may change without changing the engine it needs
-_CONFIG_NOT_ENGINE = ("_name_or_path", "transformers_version", "use_cache", "_attn_implementation",
-                      "_attn_implementation_autoset", "output_attentions", "output_hidden_states", "return_dict")
-
-
 def open_engine(model_dir: str, cfg: RolloutConfig, seed: int = 0, dtype: str | None = None,
                 max_model_len: int | None = None, trust_remote_code: bool = False) -> VLLMRolloutEngine:
     """An engine serving the weights in `model_dir`: the parked one when it was built with the
@@ -407,7 +374,7 @@ def open_engine(model_dir: str, cfg: RolloutConfig, seed: int = 0, dtype: str | 
                                                          trust_remote_code))
         if not changed:
             engine.update_weights(model_dir)
-            log.info("vLLM engine reused for %s%s", model_dir, _free_gpu_text())
+            log.info("vLLM engine reused for %s%s", model_dir, free_gpu_text())
             return engine
         log.warning("the parked vLLM engine is not reused for %s: it was built with other %s; it is shut down "
                     "and a new engine built (one sleep-mode engine per process on GPU: give every engine of a "
@@ -422,121 +389,3 @@ def _shutdown_parked() -> None:
     which must be mapped again before its tensors are freed)."""
     for engine in list(_PARKED):
         engine.shutdown(report=False)
-
-
-def engine_key(model_dir: str, cfg: RolloutConfig, seed: int, dtype: str | None, max_model_len: int | None,
-               trust_remote_code: bool) -> dict:
-    """What an engine is built from, its weights and paths aside: the rollout settings, seed and
-    dtype, the model's config (architecture), the tokenizer's files and tokens and the EOS ids
-    of the generation config (as JSON values, so that two keys compare by value)."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    for k in _CONFIG_NOT_ENGINE + (("torch_dtype", "dtype") if dtype not in (None, "auto") else ()):
-        config.pop(k, None)
-    files = hashlib.sha256()
-    for name in _TOKENIZER_FILES:
-        f = Path(model_dir) / name
-        files.update(name.encode() + (f.read_bytes() if f.is_file() else b"-"))
-    tok_cfg = Path(model_dir) / "tokenizer_config.json"
-    tokens = json.loads(tok_cfg.read_text()) if tok_cfg.is_file() else {}
-    files.update(json.dumps({k: tokens.get(k) for k in _TOKENIZER_KEYS}, sort_keys=True, default=str).encode())
-    generation = Path(model_dir) / "generation_config.json"  # its EOS ids are stop tokens
-    eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
-    return json.loads(json.dumps({"rollout": dataclasses.asdict(cfg), "seed": seed, "dtype": dtype,
-                                  "max_model_len": max_model_len, "trust_remote_code": trust_remote_code,
-                                  "model config": config, "tokenizer": files.hexdigest(), "generation eos": eos},
-                                 default=str))
-
-
-def key_differences(old: dict, new: dict) -> list[str]:
-    """What differs between two `engine_key`s, named: `rollout.<key> (old -> new)` for the
-    rollout settings and the model config's keys, the part's name for the rest."""
-    out = []
-    for part in sorted(old.keys() | new.keys()):
-        a, b = old.get(part), new.get(part)
-        if a == b:
-            continue
-        if isinstance(a, dict) and isinstance(b, dict) and part in ("rollout", "model config"):
-            out += [f"{part}.{k} ({a.get(k)!r} -> {b.get(k)!r})" for k in sorted(a.keys() | b.keys())
-                    if a.get(k) != b.get(k)]
-        elif part == "tokenizer":
-            out.append("tokenizer files")
-        else:
-            out.append(f"{part} ({a!r} -> {b!r})")
-    return out
-
-
-def _empty_torch_cache() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def _free_gpu_text() -> str:
-    import torch
-
-    if not torch.cuda.is_available():
-        return ""
-    free, total = torch.cuda.mem_get_info()
-    return f": {free / 2**30:.1f} of {total / 2**30:.1f} GiB free on the GPU"
-
-
-def _model_runner(worker) -> Any:
-    """Run on a vLLM worker: its model runner."""
-    return worker.model_runner
-
-
-def _holders(obj: Any) -> list[str]:
-    """What refers to `obj`, frames named by function and line (this call's own frames left out)."""
-    mine = {id(sys._getframe()), id(sys._getframe(1))}
-    out = []
-    for r in gc.get_referrers(obj):
-        if id(r) in mine:
-            continue
-        if isinstance(r, types.FrameType):
-            out.append(f"the frame of {r.f_code.co_name} at {r.f_code.co_filename}:{r.f_lineno}")
-        else:
-            out.append(type(r).__name__)
-    return sorted(set(out))
-
-
-def _referrer_chain(obj: Any, depth: int = 8, limit: int = 20000) -> str:
-    """One chain of referrers from `obj` back to a module's globals, a class, a frame or a code
-    object (searched breadth first), as `obj <- type <- ...`; else whether no Python object
-    refers to it (it is held from C/C++) or the search gave up."""
-    import collections
-
-    seen = {id(obj)}
-    first = (obj, (type(obj).__name__,))
-    queue = collections.deque([first])
-    mine = {id(sys._getframe()), id(sys._getframe(1)), id(queue), id(first)}
-    modules = {id(vars(m)): name for name, m in reversed(list(sys.modules.items())) if m is not None}
-    longest = first[1]
-    while queue:
-        if len(seen) >= limit:
-            return f"not found among {limit} objects; deepest: {' <- '.join(longest)}"
-        o, path = queue.popleft()
-        if len(path) > depth:
-            continue
-        for r in gc.get_referrers(o):
-            if id(r) in seen or id(r) in mine:
-                continue
-            seen.add(id(r))
-            if id(r) in modules:
-                end = f"the globals of {modules[id(r)]}"
-            elif isinstance(r, types.FrameType):
-                end = f"the frame of {r.f_code.co_name} at {r.f_code.co_filename}:{r.f_lineno}"
-            elif isinstance(r, type):
-                end = f"class {r.__qualname__}"
-            elif isinstance(r, types.CodeType):
-                end = f"code {r.co_qualname}"
-            else:
-                entry = (r, path + (type(r).__name__,))
-                mine.add(id(entry))
-                queue.append(entry)
-                longest = entry[1] if len(entry[1]) > len(longest) else longest
-                continue
-            return " <- ".join(path + (end,))
-    if len(longest) == 1:
-        return "no Python object refers to it: it is held from C/C++ code"
-    return f"no root within {depth} steps; deepest: {' <- '.join(longest)} (held from C/C++ code)"

@@ -53,7 +53,7 @@ case $step in
   gguf)
     mkdir -p /tmp/model && cat $UP/gguf.* > $GGUF && (cd /tmp/model && grep gguf $UP/SHA256SUMS | sha256sum -c) ;;
   smoke)
-    timeout 240 python3 benchmarks/vllm_smoke.py --out "$out/vllm_smoke_h200.json" 2>&1 | tee "$out/smoke.log" ;;
+    timeout 240 python3 benchmarks/vllm_smoke.py --out "$out/vllm_smoke.json" 2>&1 | tee "$out/smoke.log" ;;
   train)
     python3 -m rlhf.data.word_problems --output data/word_problems > /dev/null
     timeout 300 python3 -m rlhf.train --cfg examples/smollm2_gsm8k_1gpu.yaml rollout.name=vllm model.path=$GGUF \

@@ -15,8 +15,9 @@ GSM8K's `#### N` (strict accuracy 0, so pure RL sees all-zero groups and no grad
    questions): train prompts, 200 test problems, a labeled set with worked solutions; and 200
    test problems of the other generator for the held-out evaluation. `--data-seed` fixes them
    across seeds (or `--data-dir` / `--heldout-dir` bring them written elsewhere).
-3. SFT warm-start on the labeled set (chat template, loss on the answer only), 10 steps of 8
-   at lr 3e-5 (5 warmup), bf16 autocast per step on the GPU, batches in `--seed`'s order.
+3. SFT warm-start on the labeled set (chat template, loss on the answer only), steps of 8 at
+   lr 3e-5 (5 warmup; 10 steps on word problems, 96 on gsm_symbolic, whose start stays at 0
+   after 10), bf16 autocast per step on the GPU, batches in `--seed`'s order.
 4. From that start, the lanes at once on the same GPU, each with the same budget of training
    seconds (evaluation excluded), the same train prompts, reward (verl's strict GSM8K score,
    0.1 for a well-formed wrong answer), `--seed` for prompt order and sampling:
@@ -36,8 +37,10 @@ the held-out table, commands, versions, machine), `results.md` and `curve.png`.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -47,8 +50,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.real_model_common import (DEFAULT_LANES, ENV, FORMAT_SCORE, LANES, OTHER, PPO_LANES, TASKS, load_split,  # noqa: E402
-                                          seed_everything, strict_accuracy, write_task)
+from benchmarks.real_model_common import (DEFAULT_LANES, ENV, FORMAT_SCORE, LANES, OTHER, PPO_LANES, TASKS, gpu_memory,  # noqa: E402
+                                          load_split, seed_everything, strict_accuracy, write_task)
 
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 T0 = time.perf_counter()  # the orchestrator's start: --deadline counts from here
@@ -57,7 +60,8 @@ T0 = time.perf_counter()  # the orchestrator's start: --deadline counts from her
 def sizes(a) -> dict:
     """Problem counts, token budgets, SFT and evaluation settings; `--cpu-smoke` shrinks them."""
     task = TASKS[a.task]
-    s = dict(n_train=a.n_train, n_val=a.n_val, n_sft=a.n_sft, sft_steps=a.sft_steps, sft_batch=a.sft_batch,
+    s = dict(n_train=a.n_train, n_val=a.n_val, n_sft=a.n_sft, sft_steps=a.sft_steps or task["sft_steps"],
+             sft_batch=a.sft_batch,
              sft_lr=a.sft_lr, max_prompt=task["max_prompt"], max_response=a.max_response or task["max_response"],
              heldout_max_response=TASKS[OTHER[a.task]]["max_response"], budget=a.budget or 270,
              eval_every=a.eval_every or 45)
@@ -143,12 +147,30 @@ def _wait_until(p: subprocess.Popen, seconds: float) -> int:
             return p.wait()
 
 
+OOM = re.compile(r"out of (device )?memory|OutOfMemoryError", re.I)
+EXCEPTION = re.compile(r"^(\[rank\d+\]:\s*)?[\w.]*(Error|Exception)\b")
+
+
+def lane_failure(log: Path) -> str:
+    """Why a lane process failed, from its log: its last out-of-memory line if there is one,
+    else its last exception line ('' if neither)."""
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    for pattern in (OOM, EXCEPTION):
+        hits = [x.strip() for x in lines if pattern.search(x)]
+        if hits:
+            return hits[-1][:600]
+    return ""
+
+
 def run_lanes(a, s: dict, out: Path, data_dir: str) -> dict:
     """The lanes as concurrent processes (logs `<out>/<lane>.log`); their JSON results."""
     import torch
 
     procs, commands = {}, {}
-    gpu = {"DS_ACCELERATOR": "cuda"} if torch.cuda.is_available() and not a.cpu_smoke else {}
+    # On the GPU the lanes share one device: torch's expandable segments keep one lane's
+    # fragmentation from starving the others (a setting of torch's allocator, the same for every lane).
+    gpu = {"DS_ACCELERATOR": "cuda", "PYTORCH_CUDA_ALLOC_CONF": os.environ.get(
+        "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")} if torch.cuda.is_available() and not a.cpu_smoke else {}
     for lane in a.lanes.split(","):
         site = a.trl_site if lane not in PPO_LANES else ""
         env = {**os.environ, **ENV, **gpu, "PYTHONPATH": os.pathsep.join(
@@ -162,9 +184,14 @@ def run_lanes(a, s: dict, out: Path, data_dir: str) -> dict:
         rc = _wait_until(p, (a.deadline or (1800 if a.cpu_smoke else 540)) - (time.perf_counter() - T0))
         path = out / f"{lane}.json"
         results[lane] = json.loads(path.read_text()) if path.exists() else {"error": f"exit code {rc}"}
-        results[lane].update(rc=rc, command=commands[lane])
+        results[lane].update(rc=rc, command=commands[lane], env=gpu)
         if rc != 0:
-            print(f"lane {lane} ended with exit code {rc}; its log: {out / f'{lane}.log'}", flush=True)
+            why = lane_failure(out / f"{lane}.log")
+            results[lane]["failure"] = why
+            hint = (": the lanes share one GPU; give each call fewer lanes (--lanes) or a GPU with more memory "
+                    "(every lane's peak is in results.json under gpu_memory)") if OOM.search(why) else ""
+            print(f"lane {lane} ended with exit code {rc}{hint}; its log: {out / f'{lane}.log'}"
+                  + (f"\n  {why}" if why else ""), flush=True)
     return results
 
 
@@ -186,6 +213,10 @@ def orchestrate(a) -> int:
                "versions": R.versions(), "machine": R.machine()}
     results["warm_start"] = warm_start(a, model_dir, data["own"]["dir"], s, out, device)
     results["prepare_s"] = time.perf_counter() - T0
+    if device.type == "cuda":  # what the SFT cached goes back before the lanes share the GPU
+        gc.collect()
+        torch.cuda.empty_cache()
+        results["gpu_before_lanes"] = {"free_gib": round(torch.cuda.mem_get_info()[0] / 2**30, 2)} | gpu_memory()
     results["lanes"] = run_lanes(a, s, out, data["own"]["dir"])
     R.write_results(results, out)  # the curves are kept even if the held-out evaluation fails
     if not a.no_heldout:
@@ -215,7 +246,8 @@ def parse_args(argv=None):
     p.add_argument("--n-train", type=int, default=5000)
     p.add_argument("--n-val", type=int, default=200)
     p.add_argument("--n-sft", type=int, default=256)
-    p.add_argument("--sft-steps", type=int, default=10)
+    p.add_argument("--sft-steps", type=int, default=0, help="SFT warm-start steps (default: the task's, "
+                   "10 for word_problems, 96 for gsm_symbolic)")
     p.add_argument("--sft-batch", type=int, default=8)
     p.add_argument("--sft-lr", type=float, default=3e-5)
     p.add_argument("--max-response", type=int, default=0, help="response tokens (default: the task's)")

@@ -33,9 +33,13 @@ LORA_RANK, LORA_LR_FACTOR = 32, 10.0
 # The problem generators: their data module and the token budgets their problems need with
 # SmolLM2's tokenizer (chat template included). Word problems: prompts <= 82 tokens, worked
 # answers <= 50. gsm_symbolic: prompts <= 188, answers 88 at the median, 22% over 128, 0.5% over 256.
+# SFT steps (of 8 problems) of the warm-start: on gsm_symbolic, 10 steps left the start at
+# strict 0.000 and 0.005 (seeds 0 and 1, one H100), where no lane has a signal to learn from;
+# 96 steps (three passes over the 256 labeled problems) gave 0.030
+# (benchmarks/results/real_model_h100/gsm_symbolic_first_attempt/).
 TASKS = {
-    "word_problems": {"module": "rlhf.data.word_problems", "max_prompt": 192, "max_response": 128},
-    "gsm_symbolic": {"module": "rlhf.data.gsm_symbolic", "max_prompt": 256, "max_response": 256},
+    "word_problems": {"module": "rlhf.data.word_problems", "max_prompt": 192, "max_response": 128, "sft_steps": 10},
+    "gsm_symbolic": {"module": "rlhf.data.gsm_symbolic", "max_prompt": 256, "max_response": 256, "sft_steps": 96},
 }
 OTHER = {"word_problems": "gsm_symbolic", "gsm_symbolic": "word_problems"}  # the held-out generator
 
@@ -121,6 +125,19 @@ def write_json(obj: dict, path: str | Path) -> None:
     tmp = f"{path}.tmp"
     Path(tmp).write_text(json.dumps(obj, indent=2, default=str))
     os.replace(tmp, path)
+
+
+def gpu_memory() -> dict:
+    """This process's peak GPU memory (GiB; {} without CUDA): what a lane needs beside the others."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    gib = 2**30
+    free, total = torch.cuda.mem_get_info()
+    return {"peak_allocated_gib": round(torch.cuda.max_memory_allocated() / gib, 2),
+            "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / gib, 2),
+            "device_total_gib": round(total / gib, 2), "device": torch.cuda.get_device_name()}
 
 
 def seed_everything(seed: int) -> None:

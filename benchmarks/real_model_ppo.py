@@ -20,7 +20,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.real_model_common import (Curve, lane_parser, load_split, ppo_config, ppo_schedule,  # noqa: E402
-                                          seed_everything, write_json)
+                                          gpu_memory, seed_everything, write_json)
 
 ROUND_KEYS = ("critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "actor/current_kl", "actor/entropy",
               "actor/grad_norm", "critic/vf_loss", "response_length/mean", "response_length/clip_ratio")
@@ -83,7 +83,7 @@ def run_ppo_lane(a) -> dict:
     return {"lane": a.lane, "curve": curve.points, "rounds": run.state.round, "steps": run.state.global_step,
             "stop_reason": stop, "train_s": curve.t_train, "schedule": sched, "history": history,
             "policy": policy, "policy_dtype": str(next(module.parameters()).dtype).removeprefix("torch."),
-            "settings": {"source": "examples/smollm2_gsm8k_1gpu.yaml (reasons in its comments) with the "
+            "gpu_memory": gpu_memory(), "settings": {"source": "examples/smollm2_gsm8k_1gpu.yaml (reasons in its comments) with the "
                                    "run's data, start, sizes and seed", "config": to_dict(cfg)}}
 
 

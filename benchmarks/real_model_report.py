@@ -60,7 +60,21 @@ def markdown(results: dict) -> str:
         for i, p in enumerate(res.get("curve", [])):
             lines.append(f"| {lane} | {i} | {p['train_s']:.0f} | {p.get('round', '')} | {p['step']} | "
                          f"{p['strict']:.3f} | {p['flexible']:.3f} | {p['response_length']:.0f} |")
+    lines += [f"\nLane {lane} failed (exit code {res['rc']}): {res.get('failure') or res.get('error', '')}"
+              for lane, res in results["lanes"].items() if failed(res)]
+    memory = {lane: res["gpu_memory"] for lane, res in results["lanes"].items() if res.get("gpu_memory")}
+    if memory:
+        lines += ["", f"Peak GPU memory of each lane (GiB, reserved by torch; the lanes ran at once on one "
+                  f"{next(iter(memory.values())).get('device', 'GPU')} of "
+                  f"{next(iter(memory.values())).get('device_total_gib', 0):.0f} GiB): "
+                  + ", ".join(f"{lane} {m['peak_reserved_gib']:.1f}" for lane, m in memory.items()) + "."]
     return "\n".join(lines) + "\n" + (("\n" + heldout_markdown(results)) if "heldout" in results else "")
+
+
+def failed(lane_result: dict) -> bool:
+    """A lane whose process did not end cleanly: its curve stops early, so it is left out of
+    the means (and named) rather than counted with a short curve."""
+    return lane_result.get("rc", 0) != 0 or "error" in lane_result
 
 
 def heldout_markdown(results: dict) -> str:
@@ -140,7 +154,8 @@ def _heldout(run: dict, name: str, which: str) -> float | None:
 
 
 def _lane_summary(runs: list[dict], lane: str, times: list[float]) -> dict:
-    curves = {r.get("seed", 0): r["lanes"][lane]["curve"] for r in runs if r["lanes"].get(lane, {}).get("curve")}
+    ok = [r for r in runs if lane in r["lanes"] and not failed(r["lanes"][lane])]
+    curves = {r.get("seed", 0): r["lanes"][lane]["curve"] for r in ok if r["lanes"][lane].get("curve")}
     budget = runs[0]["sizes"]["budget"]
     at = {}
     for t in times:
@@ -151,8 +166,10 @@ def _lane_summary(runs: list[dict], lane: str, times: list[float]) -> dict:
             "start": mean_se([c[0]["strict"] for c in curves.values()]), "at_train_s": at,
             "end": mean_se([p["strict"] for p in ends]), "end_train_s": mean_se([p["train_s"] for p in ends]),
             "end_rounds": mean_se([p.get("round", 0) for p in ends]),
-            "heldout": {w: mean_se([v for v in (_heldout(r, lane, w) for r in runs) if v is not None])
-                        for w in ("own", "other")}}
+            "heldout": {w: mean_se([v for v in (_heldout(r, lane, w) for r in ok) if v is not None])
+                        for w in ("own", "other")},
+            "failed": {r.get("seed", 0): r["lanes"][lane].get("failure") or r["lanes"][lane].get("error", "")
+                       for r in runs if lane in r["lanes"] and failed(r["lanes"][lane])}}
 
 
 def _paired(runs: list[dict], lane: str, ref: str = "ppo") -> dict:
@@ -166,12 +183,15 @@ def _paired(runs: list[dict], lane: str, ref: str = "ppo") -> dict:
         return out
 
     def end(r, name):
-        c = r["lanes"].get(name, {}).get("curve")
-        return c[-1]["strict"] if c else None
+        res = r["lanes"].get(name, {})
+        return res["curve"][-1]["strict"] if res.get("curve") and not failed(res) else None
+
+    def held(r, name, w):
+        return None if name in r["lanes"] and failed(r["lanes"][name]) else _heldout(r, name, w)
 
     out = {"end": mean_se(diffs(end))}
     for w in ("own", "other"):
-        out[f"heldout_{w}"] = mean_se(diffs(lambda r, name, w=w: _heldout(r, name, w)))
+        out[f"heldout_{w}"] = mean_se(diffs(lambda r, name, w=w: held(r, name, w)))
     for v in out.values():
         v["in_se"] = v["mean"] / v["se"] if v["se"] else None
     return out
@@ -204,7 +224,8 @@ def seeds_markdown(agg: dict) -> str:
              "| lane | " + " | ".join(f"{t} s" for t in times) + " | end | train s | rounds | own test | "
              "other generator |", "|---" * (len(times) + 6) + "|"]
     for lane, L in agg["lanes"].items():
-        lines.append(f"| {lane} | " + " | ".join(_fmt(L["at_train_s"][t]) for t in times) +
+        name = lane if len(L["seeds"]) == len(agg["seeds"]) else f"{lane} ({len(L['seeds'])} of {len(agg['seeds'])} seeds)"
+        lines.append(f"| {name} | " + " | ".join(_fmt(L["at_train_s"][t]) for t in times) +
                      f" | {_fmt(L['end'])} | {L['end_train_s']['mean'] or 0:.0f} | {L['end_rounds']['mean'] or 0:.1f}"
                      f" | {_fmt(L['heldout']['own'])} | {_fmt(L['heldout']['other'])} |")
     sh = agg["start_heldout"]
@@ -218,6 +239,11 @@ def seeds_markdown(agg: dict) -> str:
             cells = [f"{_fmt(d[k])} | " + (f"{d[k]['in_se']:.1f}" if d[k]["in_se"] is not None else "-")
                      for k in ("end", "heldout_own", "heldout_other")]
             lines.append(f"| {lane} | " + " | ".join(cells) + " |")
+    failures = [f"- {lane}, seed {seed}: {why or 'no reason in its log'}"
+                for lane, L in agg["lanes"].items() for seed, why in L["failed"].items()]
+    if failures:
+        lines += ["", "Lanes that failed, left out of the means and differences above (each cell's mean is over "
+                  "the seeds whose lane finished):", *failures]
     return "\n".join(lines) + "\n"
 
 

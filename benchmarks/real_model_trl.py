@@ -25,7 +25,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.real_model_common import (Curve, lane_parser, load_split, ppo_config, ppo_schedule,  # noqa: E402
-                                          reward, seed_everything, write_json)
+                                          gpu_memory, reward, seed_everything, write_json)
 
 # Settings both TRL lanes set, with their reasons (the values come from `settings`).
 SETTINGS = {
@@ -171,7 +171,7 @@ def run_trl_lane(a) -> dict:
     return {"lane": a.lane, "curve": curve.points, "steps": trainer.state.global_step,
             "rounds": trainer.state.global_step // per_generation["updates"], "train_s": curve.t_train,
             "trl": trl.__version__, "schedule": per_generation | {"ppo_lane": sched}, "policy": policy,
-            "policy_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "policy_dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "gpu_memory": gpu_memory(),
             "settings": {"set": kwargs, "reasons": reasons, "args": args_record(trainer.args)},
             "log_summary": log_summary(log), "log": log}
 

@@ -91,3 +91,45 @@ def test_the_lora_lane_is_the_ppo_lane_with_adapters_and_ten_times_the_learning_
     cmd = lane_command(a, "ppo_lora", {"budget": 1, "eval_every": 1, "max_response": 8, "max_prompt": 8},
                        tmp_path, str(tmp_path))
     assert cmd[1] == "benchmarks/real_model_ppo.py" and cmd[cmd.index("--lora-rank") + 1] == "16"
+
+
+def test_a_failed_lane_is_named_and_left_out_of_the_means_and_the_paired_lead(tmp_path):
+    runs = json.loads(json.dumps(RUNS))
+    # seed 1's trl lane ran out of GPU memory after its first evaluation: its short curve is on disk
+    runs[1]["lanes"]["trl"] = {"curve": [{"train_s": 0.0, "strict": 0.2, "round": 0}], "rc": 1,
+                               "failure": "torch.OutOfMemoryError: CUDA out of memory."}
+    runs[1]["heldout"]["policies"].pop("trl")
+    agg = aggregate(runs)
+    trl = agg["lanes"]["trl"]
+    assert trl["seeds"] == [0, 2] and trl["failed"] == {1: "torch.OutOfMemoryError: CUDA out of memory."}
+    assert trl["end"]["mean"] == pytest.approx(0.45) and trl["end"]["n"] == 2  # not (0.4 + 0.2 + 0.5) / 3
+    assert agg["ppo_lead"]["trl"]["end"]["n"] == 2 and agg["lanes"]["ppo"]["end"]["n"] == 3
+    dirs = []
+    for r in runs:
+        (tmp_path / f"s{r['seed']}").mkdir()
+        (tmp_path / f"s{r['seed']}" / "results.json").write_text(json.dumps(r))
+        dirs.append(str(tmp_path / f"s{r['seed']}"))
+    table = (write_summary(dirs, tmp_path / "out"), (tmp_path / "out" / "summary.md").read_text())[1]
+    assert "| trl (2 of 3 seeds) |" in table and "- trl, seed 1: torch.OutOfMemoryError" in table
+
+
+def test_a_lane_failure_is_read_from_its_log(tmp_path):
+    from benchmarks.real_model import lane_failure
+
+    log = tmp_path / "ppo.log"
+    log.write_text("round 1\n[rank0]: Traceback (most recent call last):\n"
+                   "[rank0]: rlhf.trainer.faults.RecoverableOOMError: out of device memory in the PPO update "
+                   "(CUDA out of memory. Tried to allocate 28.00 MiB.)\nValueError: later\n")
+    assert lane_failure(log).startswith("[rank0]: rlhf.trainer.faults.RecoverableOOMError: out of device memory")
+    log.write_text("Traceback (most recent call last):\n  File \"x.py\", line 1\nKeyError: 'prompt'\n")
+    assert lane_failure(log) == "KeyError: 'prompt'"
+    log.write_text("killed\n")
+    assert lane_failure(log) == "" and lane_failure(tmp_path / "missing.log") == ""
+
+
+def test_gsm_symbolic_warm_starts_longer_than_word_problems_unless_told(tmp_path):
+    from benchmarks.real_model import parse_args, sizes
+
+    assert sizes(parse_args(["--out", str(tmp_path)]))["sft_steps"] == 10
+    assert sizes(parse_args(["--out", str(tmp_path), "--task", "gsm_symbolic"]))["sft_steps"] == 96
+    assert sizes(parse_args(["--out", str(tmp_path), "--task", "gsm_symbolic", "--sft-steps", "20"]))["sft_steps"] == 20

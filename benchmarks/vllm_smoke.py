@@ -98,6 +98,11 @@ def main(argv=None) -> dict:
     res |= closes_in_one_process(a.dir, b_model, prompts, greedy, dtype, free, device)
     hf_a, hf_b = greedy_hf(a_model, prompts, 16), greedy_hf(b_model, prompts, 16)
     same = lambda x, y: sum(u == v for r, s in zip(x, y) for u, v in zip(r, s)) / sum(len(r) for r in y)  # noqa: E731
+    # greedy paths part at the first near-tie (bf16, random weights) and stay apart, so the first
+    # token of each prompt is the comparison that does not compound
+    first = lambda x, y: sum(r[:1] == s[:1] for r, s in zip(x, y)) / len(y)  # noqa: E731
+    res.update(first_token_a=first(served_a, hf_a), first_token_b=first(served_b, hf_b),
+               first_token_b_as_a=first(served_b, hf_a))
     res.update(same_tokens_a=same(served_a, hf_a), same_tokens_b=same(served_b, hf_b),
                b_differs_from_a=same(hf_a, hf_b) < 1.0, served_b_not_a=same(served_b, hf_a) < 1.0)
     G.write_json(a.out, res)

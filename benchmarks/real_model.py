@@ -61,8 +61,8 @@ def sizes(a) -> dict:
     """Problem counts, token budgets, SFT and evaluation settings; `--cpu-smoke` shrinks them."""
     task = TASKS[a.task]
     s = dict(n_train=a.n_train, n_val=a.n_val, n_sft=a.n_sft, sft_steps=a.sft_steps or task["sft_steps"],
-             sft_batch=a.sft_batch,
-             sft_lr=a.sft_lr, max_prompt=task["max_prompt"], max_response=a.max_response or task["max_response"],
+             sft_batch=a.sft_batch, sft_lr=a.sft_lr, max_prompt=task["max_prompt"],
+             max_response=a.max_response or task["max_response"],
              heldout_max_response=TASKS[OTHER[a.task]]["max_response"], budget=a.budget or 270,
              eval_every=a.eval_every or 45)
     if a.cpu_smoke:
@@ -216,7 +216,7 @@ def orchestrate(a) -> int:
     if device.type == "cuda":  # what the SFT cached goes back before the lanes share the GPU
         gc.collect()
         torch.cuda.empty_cache()
-        results["gpu_before_lanes"] = {"free_gib": round(torch.cuda.mem_get_info()[0] / 2**30, 2)} | gpu_memory()
+        results["gpu_before_lanes"] = gpu_memory()
     results["lanes"] = run_lanes(a, s, out, data["own"]["dir"])
     R.write_results(results, out)  # the curves are kept even if the held-out evaluation fails
     if not a.no_heldout:

@@ -128,7 +128,8 @@ def write_json(obj: dict, path: str | Path) -> None:
 
 
 def gpu_memory() -> dict:
-    """This process's peak GPU memory (GiB; {} without CUDA): what a lane needs beside the others."""
+    """This process's peak GPU memory and the device's free memory now (GiB; {} without CUDA):
+    what a lane needs beside the others."""
     import torch
 
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
@@ -137,7 +138,8 @@ def gpu_memory() -> dict:
     free, total = torch.cuda.mem_get_info()
     return {"peak_allocated_gib": round(torch.cuda.max_memory_allocated() / gib, 2),
             "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / gib, 2),
-            "device_total_gib": round(total / gib, 2), "device": torch.cuda.get_device_name()}
+            "free_gib": round(free / gib, 2), "device_total_gib": round(total / gib, 2),
+            "device": torch.cuda.get_device_name()}
 
 
 def seed_everything(seed: int) -> None:

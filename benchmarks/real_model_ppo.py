@@ -83,7 +83,8 @@ def run_ppo_lane(a) -> dict:
     return {"lane": a.lane, "curve": curve.points, "rounds": run.state.round, "steps": run.state.global_step,
             "stop_reason": stop, "train_s": curve.t_train, "schedule": sched, "history": history,
             "policy": policy, "policy_dtype": str(next(module.parameters()).dtype).removeprefix("torch."),
-            "gpu_memory": gpu_memory(), "settings": {"source": "examples/smollm2_gsm8k_1gpu.yaml (reasons in its comments) with the "
+            "gpu_memory": gpu_memory(),
+            "settings": {"source": "examples/smollm2_gsm8k_1gpu.yaml (reasons in its comments) with the "
                                    "run's data, start, sizes and seed", "config": to_dict(cfg)}}
 
 

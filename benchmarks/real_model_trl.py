@@ -171,7 +171,8 @@ def run_trl_lane(a) -> dict:
     return {"lane": a.lane, "curve": curve.points, "steps": trainer.state.global_step,
             "rounds": trainer.state.global_step // per_generation["updates"], "train_s": curve.t_train,
             "trl": trl.__version__, "schedule": per_generation | {"ppo_lane": sched}, "policy": policy,
-            "policy_dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "gpu_memory": gpu_memory(),
+            "policy_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "gpu_memory": gpu_memory(),
             "settings": {"set": kwargs, "reasons": reasons, "args": args_record(trainer.args)},
             "log_summary": log_summary(log), "log": log}
 

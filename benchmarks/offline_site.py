@@ -11,7 +11,7 @@ itself, markers evaluated for Python 3.12 on Linux), builds DeepSpeed's wheel wi
 installs the lot with `pip install --no-deps --target`, trims vLLM's unused kernel libraries
 and writes `site.tar.xz` split into parts that fit one device call, with SHA256SUMS.
 
-    python benchmarks/offline_site.py --image-list image.txt --out /tmp/devsite [--trl]
+    python benchmarks/offline_site.py --image-list image.txt --out /tmp/devsite [--trl] [--real-model]
 
 On the host: `bash benchmarks/vllm_h200.sh site` joins, checks and unpacks the parts.
 """
@@ -51,6 +51,13 @@ PART = 60_000_000
 VLLM_TRIM = ["vllm/vllm_flash_attn/_vllm_fa2_C*.so", "vllm/_moe_C*.so", "vllm/third_party/deep_gemm",
              "vllm/*fmha_sm100*", "vllm/_flashmla*", "vllm/_qutlass_C*.so", "vllm/_rust_tool_parser*",
              "vllm/entrypoints/serve/static", "vllm/vllm-rs"]
+# Left out of the real-model tree (`--real-model`): the tree's top-level packages over 5 MB that no
+# process of `benchmarks/real_model.py` imports (vLLM and what only its server needs, the Flyte and
+# Kubernetes clients, cloud SDKs), found by logging the imports of every process of a `--tiny` run.
+# It is about 19 MB packed, so with the GGUF file it travels in two device calls instead of four.
+REAL_MODEL_SKIP = ["vllm", "kubernetes", "mistral_common", "babel", "botocore", "pycountry", "sqlalchemy",
+                   "cryptography", "fastsafetensors", "openai", "tvm_ffi", "great_tables", "openai_harmony",
+                   "llguidance", "outlines_core"]
 
 
 def lock_versions() -> dict[str, str]:
@@ -115,10 +122,12 @@ def main() -> None:
     p.add_argument("--extra", nargs="*", default=[], help="more specs to carry (name==version)")
     p.add_argument("--pack-only", action="store_true", help="only trim, pack and split <out>/site again")
     p.add_argument("--gguf", default="", help="also this GGUF file, in parts gguf.NN (the real-model runs)")
+    p.add_argument("--real-model", action="store_true",
+                   help="also site_rm.tar.xz, the tree less what the real-model benchmark never imports")
     a = p.parse_args()
     out = Path(a.out)
     if a.pack_only:
-        return pack(out, a.gguf)
+        return pack(out, a.gguf, a.real_model)
     wheels = out / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     pins, have = lock_versions(), image_names(a.image_list)
@@ -156,7 +165,7 @@ def main() -> None:
         cmd += ["--platform", p_]
     subprocess.run([*cmd, *map(str, sorted(wheels.glob("*.whl")))], check=True)
     print(f"{len(seen)} packages")
-    pack(out, a.gguf)
+    pack(out, a.gguf, a.real_model)
 
 
 def split(data: bytes, stem: Path) -> int:
@@ -167,8 +176,9 @@ def split(data: bytes, stem: Path) -> int:
     return (len(data) + PART - 1) // PART
 
 
-def pack(out: Path, gguf: str = "") -> None:
-    """Trim `<out>/site`, write site.tar.xz (and the GGUF file) in parts of PART bytes, and SHA256SUMS."""
+def pack(out: Path, gguf: str = "", real_model: bool = False) -> None:
+    """Trim `<out>/site`, write site.tar.xz (and the GGUF file) in parts of PART bytes, and SHA256SUMS;
+    with `real_model`, also site_rm.tar.xz in one piece, without REAL_MODEL_SKIP."""
     site = out / "site"
     for pattern in VLLM_TRIM:
         for f in site.glob(pattern):
@@ -178,6 +188,12 @@ def pack(out: Path, gguf: str = "") -> None:
     data = tar.read_bytes()
     sums = [f"{hashlib.sha256(data).hexdigest()}  site.tar.xz"]
     print(f"site.tar.xz {len(data) / 1e6:.1f} MB in {split(data, tar)} parts")
+    if real_model:
+        rm = out / "site_rm.tar.xz"
+        skip = " ".join(f"--exclude=site/{n}" for n in REAL_MODEL_SKIP)
+        subprocess.run(f"tar cf - -C {out} {skip} site | xz -T2 -6 > {rm}", shell=True, check=True)
+        sums.append(f"{hashlib.sha256(rm.read_bytes()).hexdigest()}  site_rm.tar.xz")
+        print(f"site_rm.tar.xz {rm.stat().st_size / 1e6:.1f} MB")
     if gguf:
         data = Path(gguf).read_bytes()
         sums.append(f"{hashlib.sha256(data).hexdigest()}  {Path(gguf).name}")

@@ -13,6 +13,7 @@
 # with their sha256 in SHA256SUMS.
 #
 #   bash benchmarks/vllm_h200.sh site                # join, check and unpack the tree into /tmp/site
+#   bash benchmarks/vllm_h200.sh site-rm             # or site_rm.tar.xz (--real-model), for realmodel only
 #   bash benchmarks/vllm_h200.sh gguf                # join and check the GGUF file
 #   bash benchmarks/vllm_h200.sh smoke OUT           # benchmarks/vllm_smoke.py
 #   bash benchmarks/vllm_h200.sh train OUT ROUNDS [key=value ...]  # python -m rlhf.train --cfg examples/...
@@ -50,6 +51,10 @@ case $step in
         mkdir -p $SITE && tar xJf /tmp/$t.tar.xz -C $SITE --strip-components=1 && rm /tmp/$t.tar.xz || exit 1
     done
     python3 -c "import vllm, deepspeed, pandera; print(vllm.__version__, deepspeed.__version__)" ;;
+  site-rm)  # site_rm.tar.xz (offline_site.py --real-model): enough for the realmodel step, in one part
+    (cd $UP && grep " site_rm.tar.xz" SHA256SUMS | sha256sum -c) && mkdir -p $SITE &&
+      tar xJf $UP/site_rm.tar.xz -C $SITE --strip-components=1 || exit 1
+    python3 -c "import trl, deepspeed, gguf, pandera; print(trl.__version__, deepspeed.__version__)" ;;
   gguf)
     mkdir -p /tmp/model && cat $UP/gguf.* > $GGUF && (cd /tmp/model && grep gguf $UP/SHA256SUMS | sha256sum -c) ;;
   smoke)

@@ -39,3 +39,22 @@ def test_requirements_for_linux_python_312_and_the_requested_extras(tmp_path):
 def test_a_requirement_names_its_extras_for_the_walk():
     assert O._spec(Requirement('pydantic-extra-types[pycountry]>=2; python_version >= "3.8"')) == \
         "pydantic-extra-types[pycountry]"
+
+
+def test_the_real_model_tree_leaves_out_what_the_benchmark_never_imports(tmp_path):
+    import hashlib
+    import tarfile
+
+    site = tmp_path / "site"
+    for name in ("vllm", "kubernetes", "trl", "deepspeed"):
+        (site / name).mkdir(parents=True)
+        (site / name / "__init__.py").write_text(f"NAME = {name!r}\n")
+    (site / "trl-1.16.0.dist-info").mkdir()
+    O.pack(tmp_path, real_model=True)
+    with tarfile.open(tmp_path / "site_rm.tar.xz") as t:
+        tops = {Path(m.name).parts[1] for m in t.getmembers() if len(Path(m.name).parts) > 1}
+    assert tops == {"trl", "deepspeed", "trl-1.16.0.dist-info"}
+    with tarfile.open(tmp_path / "site.tar.xz.00") as t:  # the whole tree still holds everything
+        assert {"vllm", "kubernetes"} <= {Path(m.name).parts[1] for m in t.getmembers() if len(Path(m.name).parts) > 1}
+    sums = dict(line.split()[::-1] for line in (tmp_path / "SHA256SUMS").read_text().splitlines())
+    assert sums["site_rm.tar.xz"] == hashlib.sha256((tmp_path / "site_rm.tar.xz").read_bytes()).hexdigest()

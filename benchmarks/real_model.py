@@ -129,7 +129,8 @@ def lane_command(a, lane: str, s: dict, out: Path, data_dir: str) -> list[str]:
            "--budget", str(s["budget"]), "--eval-every", str(s["eval_every"]), "--max-response",
            str(s["max_response"]), "--max-prompt", str(s["max_prompt"]), "--seed", str(a.seed)]
     cmd += ["--cpu-smoke"] if a.cpu_smoke else []
-    cmd += [x for o in a.ppo_override for x in ("--ppo-override", o)]
+    overrides = [] if a.cpu_smoke else TASKS[a.task]["ppo_override"]
+    cmd += [x for o in [*overrides, *a.ppo_override] for x in ("--ppo-override", o)]
     cmd += ["--lora-rank", str(a.lora_rank)] if a.lora_rank else []
     return cmd + (["--trl-lr", str(a.trl_lr)] if a.trl_lr and lane not in PPO_LANES else [])
 

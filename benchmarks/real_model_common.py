@@ -37,9 +37,19 @@ LORA_RANK, LORA_LR_FACTOR = 32, 10.0
 # strict 0.000 and 0.005 (seeds 0 and 1, one H100), where no lane has a signal to learn from;
 # 96 steps (three passes over the 256 labeled problems) gave 0.030
 # (benchmarks/results/real_model_h100/gsm_symbolic_first_attempt/).
+#
+# PPO overrides per task (before `--ppo-override`): gsm_symbolic's 512-token sequences need more
+# than the 21 GiB an 80 GB GPU leaves the PPO lane beside the two TRL lanes (28.3 and 28.6 GiB at
+# their peaks) with the example's micro-batch of 64 responses: seed 0 ran out of memory in its first
+# update, holding 23.0 GiB (benchmarks/results/real_model_h100/gsm_symbolic_second_attempt/).
+# Micro-batches of 16 accumulate the same mini-batch of 64 responses in four passes: the same
+# update, less activation memory.
 TASKS = {
-    "word_problems": {"module": "rlhf.data.word_problems", "max_prompt": 192, "max_response": 128, "sft_steps": 10},
-    "gsm_symbolic": {"module": "rlhf.data.gsm_symbolic", "max_prompt": 256, "max_response": 256, "sft_steps": 96},
+    "word_problems": {"module": "rlhf.data.word_problems", "max_prompt": 192, "max_response": 128, "sft_steps": 10,
+                      "ppo_override": []},
+    "gsm_symbolic": {"module": "rlhf.data.gsm_symbolic", "max_prompt": 256, "max_response": 256, "sft_steps": 96,
+                     "ppo_override": ["actor.ppo_micro_batch_size_per_gpu=16",
+                                      "critic.ppo_micro_batch_size_per_gpu=16"]},
 }
 OTHER = {"word_problems": "gsm_symbolic", "gsm_symbolic": "word_problems"}  # the held-out generator
 

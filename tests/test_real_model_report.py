@@ -133,3 +133,21 @@ def test_gsm_symbolic_warm_starts_longer_than_word_problems_unless_told(tmp_path
     assert sizes(parse_args(["--out", str(tmp_path)]))["sft_steps"] == 10
     assert sizes(parse_args(["--out", str(tmp_path), "--task", "gsm_symbolic"]))["sft_steps"] == 96
     assert sizes(parse_args(["--out", str(tmp_path), "--task", "gsm_symbolic", "--sft-steps", "20"]))["sft_steps"] == 20
+
+
+def test_gsm_symbolic_accumulates_the_same_ppo_update_in_smaller_micro_batches(tmp_path):
+    from benchmarks.real_model import lane_command, parse_args
+    from benchmarks.real_model_common import lane_parser, ppo_config
+
+    s = {"budget": 1, "eval_every": 1, "max_response": 8, "max_prompt": 8}
+
+    def lane_cfg(*argv):
+        cmd = lane_command(parse_args(["--out", str(tmp_path), *argv]), "ppo", s, tmp_path, str(tmp_path))
+        return ppo_config(lane_parser("x").parse_args(cmd[2:]))
+
+    words, gsm = lane_cfg(), lane_cfg("--task", "gsm_symbolic")
+    assert words.actor.ppo_micro_batch_size_per_gpu == words.critic.ppo_micro_batch_size_per_gpu == 64
+    assert gsm.actor.ppo_micro_batch_size_per_gpu == gsm.critic.ppo_micro_batch_size_per_gpu == 16
+    assert ppo_schedule(gsm) == ppo_schedule(words)  # the same samples and updates per generation
+    told = lane_cfg("--task", "gsm_symbolic", "--ppo-override", "actor.ppo_micro_batch_size_per_gpu=32")
+    assert told.actor.ppo_micro_batch_size_per_gpu == 32  # the caller's override comes last

@@ -285,6 +285,17 @@ def write_summary(run_dirs: list[str], out: Path) -> dict:
     if len(set(seeds)) != len(seeds):
         sys.exit(f"error: the runs' seeds repeat ({seeds}, from {', '.join(map(str, run_dirs))}); "
                  "give one run directory per seed")
+    # Every lane trains for a budget of seconds, so seeds run on different GPUs or with other
+    # settings measure different things: they are never averaged together.
+    for what, value in (("GPU", lambda r: (r.get("machine") or {}).get("gpu")),
+                        ("settings (sizes)", lambda r: r.get("sizes"))):
+        groups: dict[str, list[str]] = {}
+        for d, r in zip(run_dirs, runs):
+            groups.setdefault(json.dumps(value(r), sort_keys=True), []).append(str(d))
+        if len(groups) > 1:
+            sys.exit(f"error: the runs differ in their {what}: " + "; ".join(
+                f"{k} in {', '.join(v)}" for k, v in groups.items()) + ". The lanes train for a budget of seconds, "
+                "so run every seed of a summary on the same GPU with the same settings")
     agg = aggregate(runs) | {"runs": [str(d) for d in run_dirs]}
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "summary.json.tmp"

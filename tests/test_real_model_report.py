@@ -72,6 +72,24 @@ def test_the_summary_files(tmp_path):
     assert (tmp_path / "summary" / "summary.png").stat().st_size > 10_000
 
 
+@pytest.mark.parametrize("field, other", [("machine", {"gpu": "NVIDIA H200"}), ("sizes", {"budget": 180})])
+def test_seeds_from_another_gpu_or_other_settings_are_not_averaged_together(tmp_path, field, other):
+    dirs = []
+    for r in RUNS:
+        r = json.loads(json.dumps(r)) | {"machine": {"gpu": "NVIDIA H100 80GB HBM3"}}
+        if r["seed"] == 2:
+            r[field] = r.get(field, {}) | other
+        d = tmp_path / f"seed{r['seed']}"
+        d.mkdir()
+        (d / "results.json").write_text(json.dumps(r))
+        dirs.append(str(d))
+    with pytest.raises(SystemExit, match=f"differ in their .*{tmp_path / 'seed2'}"):
+        write_summary(dirs, tmp_path / "summary")
+    assert not (tmp_path / "summary").exists()
+    write_summary(dirs[:2], tmp_path / "summary")  # the two that agree
+    assert json.loads((tmp_path / "summary" / "summary.json").read_text())["seeds"] == [0, 1]
+
+
 def test_the_lora_lane_is_the_ppo_lane_with_adapters_and_ten_times_the_learning_rates(tmp_path):
     from benchmarks.real_model import lane_command, parse_args
     from benchmarks.real_model_common import LORA_LR_FACTOR, lane_parser, ppo_config

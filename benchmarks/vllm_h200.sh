@@ -23,6 +23,7 @@
 #   bash benchmarks/vllm_h200.sh rounds OUT DRIVER   # 1.5B rounds with vLLM (real_scale.py), 10 rounds
 #   bash benchmarks/vllm_h200.sh scale OUT SHAPE RANK DRIVERS ROUNDS  # real_scale.py rounds, LoRA of RANK (0: none)
 #   bash benchmarks/vllm_h200.sh realmodel OUT TASK SEED LANES [real_model.py args]  # SmolLM2 learning lanes
+#   bash benchmarks/vllm_h200.sh heldout OUT TASK SEED  # its held-out table, after a run with --no-heldout
 #
 # The tree itself is made on a machine with PyPI by benchmarks/offline_site.py.
 set -o pipefail
@@ -95,9 +96,16 @@ EOF
       grep -v "INFO\|WARNING" | tail -80 > "$out/scale_${tag}.log" ;;
   realmodel)  # the run directory stays here; what comes back (at most 8 files): results, table, plot, logs
     run=/tmp/rm/$3/seed$4
+    echo "realmodel $3 seed $4 from $(date +%T)"
     timeout ${ROUNDS_TIMEOUT:-560} python3 benchmarks/real_model.py --task "$3" --seed "$4" --lanes "$5" --gguf $GGUF \
       --trl-site $SITE --out "$run" "${@:6}" 2>&1 | grep -v "INFO\|WARNING" | tail -60
     for f in results.json results.md curve.png; do cp "$run/$f" "$out/real_model_$3_seed$4_$f" 2>/dev/null; done
     (cd "$run" && tar cJf "$out/real_model_$3_seed$4_lanes.tar.xz" *.log *.json 2>/dev/null) ;;
+  heldout)  # the held-out table of a realmodel run made with --no-heldout, and its files again
+    run=/tmp/rm/$3/seed$4
+    echo "heldout $3 seed $4 from $(date +%T)"
+    python3 benchmarks/real_model_heldout.py "$run" --device cuda 2>&1 | grep -v "INFO\|WARNING" | tail -12
+    echo "heldout $3 seed $4 to $(date +%T)"
+    for f in results.json results.md curve.png; do cp "$run/$f" "$out/real_model_$3_seed$4_$f" 2>/dev/null; done ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

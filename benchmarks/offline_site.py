@@ -53,8 +53,9 @@ VLLM_TRIM = ["vllm/vllm_flash_attn/_vllm_fa2_C*.so", "vllm/_moe_C*.so", "vllm/th
              "vllm/entrypoints/serve/static", "vllm/vllm-rs"]
 # Left out of the real-model tree (`--real-model`): the tree's top-level packages over 5 MB that no
 # process of `benchmarks/real_model.py` imports (vLLM and what only its server needs, the Flyte and
-# Kubernetes clients, cloud SDKs), found by logging the imports of every process of a `--tiny` run.
-# It is about 19 MB packed, so with the GGUF file it travels in two device calls instead of four.
+# Kubernetes clients, cloud SDKs), found by logging the imports of every process of a `--tiny` run;
+# a gsm_symbolic seed with all three lanes then ran from it on an H100. It is about 19 MB packed
+# (the whole tree 140 MB), so with the GGUF file it travels in two device calls instead of four.
 REAL_MODEL_SKIP = ["vllm", "kubernetes", "mistral_common", "babel", "botocore", "pycountry", "sqlalchemy",
                    "cryptography", "fastsafetensors", "openai", "tvm_ffi", "great_tables", "openai_harmony",
                    "llguidance", "outlines_core"]

@@ -7,7 +7,8 @@ and across seeds.
 Across seeds: for each lane, the mean and standard error (sample standard deviation over
 sqrt(seeds)) of strict accuracy at the start, at fixed training times (the first evaluation
 at or after each multiple of the evaluation interval) and at the end; of the held-out
-evaluation; and of PPO's lead over each other lane, paired by seed (same start, same prompts).
+evaluation; PPO's lead over each other lane, and each lane's gain over its start, paired by seed
+(same start, same prompts).
 """
 
 from __future__ import annotations
@@ -197,6 +198,26 @@ def _paired(runs: list[dict], lane: str, ref: str = "ppo") -> dict:
     return out
 
 
+def _gain(runs: list[dict], lane: str) -> dict:
+    """`lane` minus its start per seed: in-run (its last evaluation minus its first, one evaluator)
+    and on each held-out set (the common evaluator's score of the final policy minus the start's)."""
+    def end(r):
+        res = r["lanes"].get(lane, {})
+        c = res.get("curve")
+        return c[-1]["strict"] - c[0]["strict"] if c and not failed(res) else None
+
+    def held(r, w):
+        a, b = _heldout(r, lane, w), _heldout(r, "start", w)
+        return None if a is None or b is None or failed(r["lanes"].get(lane, {})) else a - b
+
+    out = {"end": mean_se([d for d in map(end, runs) if d is not None])}
+    for w in ("own", "other"):
+        out[f"heldout_{w}"] = mean_se([d for d in (held(r, w) for r in runs) if d is not None])
+    for v in out.values():
+        v["in_se"] = v["mean"] / v["se"] if v["se"] else None
+    return out
+
+
 def aggregate(runs: list[dict]) -> dict:
     """Mean and SE across runs (one per seed) of every lane; PPO's paired lead over the others."""
     s = runs[0]["sizes"]
@@ -207,6 +228,7 @@ def aggregate(runs: list[dict]) -> dict:
             "start_heldout": {w: mean_se([v for v in (_heldout(r, "start", w) for r in runs) if v is not None])
                               for w in ("own", "other")},
             "ppo_lead": {lane: _paired(runs, lane) for lane in lanes if lane != "ppo" and "ppo" in lanes},
+            "gain": {lane: _gain(runs, lane) for lane in lanes},
             "commands": [r["command"] for r in runs], "versions": runs[0].get("versions"),
             "machine": runs[0].get("machine")}
 
@@ -232,13 +254,19 @@ def seeds_markdown(agg: dict) -> str:
     lines.append("| start (SFT) | " + " | ".join("" for _ in times) +
                  f" | {_fmt(agg['lanes'].get('ppo', next(iter(agg['lanes'].values())))['start'])} | 0 | 0 | "
                  f"{_fmt(sh['own'])} | {_fmt(sh['other'])} |")
-    if agg["ppo_lead"]:
-        lines += ["", "| PPO minus (paired by seed) | end of run | in SEs | own test | in SEs | other generator | in SEs |",
-                  "|---|---|---|---|---|---|---|"]
-        for lane, d in agg["ppo_lead"].items():
+    def paired_table(title: str, rows: dict) -> list[str]:
+        out = ["", f"| {title} | end of run | in SEs | own test | in SEs | other generator | in SEs |",
+               "|---|---|---|---|---|---|---|"]
+        for lane, d in rows.items():
             cells = [f"{_fmt(d[k])} | " + (f"{d[k]['in_se']:.1f}" if d[k]["in_se"] is not None else "-")
                      for k in ("end", "heldout_own", "heldout_other")]
-            lines.append(f"| {lane} | " + " | ".join(cells) + " |")
+            out.append(f"| {lane} | " + " | ".join(cells) + " |")
+        return out
+
+    if agg["ppo_lead"]:
+        lines += paired_table("PPO minus (paired by seed)", agg["ppo_lead"])
+    if agg.get("gain"):
+        lines += paired_table("lane minus its start (paired by seed)", agg["gain"])
     failures = [f"- {lane}, seed {seed}: {why or 'no reason in its log'}"
                 for lane, L in agg["lanes"].items() for seed, why in L["failed"].items()]
     if failures:

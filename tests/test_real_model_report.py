@@ -55,6 +55,24 @@ def test_mean_and_standard_error_across_seeds_at_fixed_times_and_the_paired_lead
     assert agg["ppo_lead"]["trl"]["heldout_other"]["mean"] == pytest.approx(0.5 / 6)
 
 
+def test_each_lanes_gain_over_its_start_paired_by_seed():
+    runs = [_run(s, ppo, trl, {"start": st, "ppo": p, "trl": t})
+            for s, ppo, trl, st, p, t in [(0, [0.2, 0.4, 0.1], [0.3, 0.3, 0.4], 0.2, 0.1, 0.3),
+                                          (1, [0.2, 0.5, 0.1], [0.2, 0.3, 0.4], 0.3, 0.1, 0.3),
+                                          (2, [0.3, 0.5, 0.1], [0.2, 0.4, 0.5], 0.2, 0.0, 0.4)]]
+    gain = aggregate(runs)["gain"]
+    # a lane that falls below its start: last in-run evaluation minus its first, per seed -0.1, -0.1, -0.2
+    assert gain["ppo"]["end"]["mean"] == pytest.approx(-0.4 / 3) and gain["ppo"]["end"]["in_se"] < 0
+    assert gain["trl"]["end"]["mean"] == pytest.approx(0.2)
+    # the common evaluator: the final policy minus the start on each test set, per seed
+    assert gain["ppo"]["heldout_own"]["mean"] == pytest.approx(-0.5 / 3)
+    assert gain["trl"]["heldout_other"]["mean"] == pytest.approx(0.05) and gain["trl"]["heldout_own"]["n"] == 3
+    # a seed without the start's held-out score counts only in the in-run gain
+    del runs[2]["heldout"]["policies"]["start"]
+    gain = aggregate(runs)["gain"]
+    assert gain["ppo"]["heldout_own"]["n"] == 2 and gain["ppo"]["end"]["n"] == 3
+
+
 def test_the_summary_files(tmp_path):
     dirs = []
     for r in RUNS:

@@ -219,7 +219,8 @@ def _gain(runs: list[dict], lane: str) -> dict:
 
 
 def aggregate(runs: list[dict]) -> dict:
-    """Mean and SE across runs (one per seed) of every lane; PPO's paired lead over the others."""
+    """Mean and SE across runs (one per seed) of every lane; PPO's paired lead over the others;
+    each lane's paired gain over its start."""
     s = runs[0]["sizes"]
     times = [k * s["eval_every"] for k in range(int(s["budget"] // s["eval_every"]) + 1)]
     lanes = list(dict.fromkeys(lane for r in runs for lane in r["lanes"]))
@@ -254,6 +255,7 @@ def seeds_markdown(agg: dict) -> str:
     lines.append("| start (SFT) | " + " | ".join("" for _ in times) +
                  f" | {_fmt(agg['lanes'].get('ppo', next(iter(agg['lanes'].values())))['start'])} | 0 | 0 | "
                  f"{_fmt(sh['own'])} | {_fmt(sh['other'])} |")
+
     def paired_table(title: str, rows: dict) -> list[str]:
         out = ["", f"| {title} | end of run | in SEs | own test | in SEs | other generator | in SEs |",
                "|---|---|---|---|---|---|---|"]

@@ -199,22 +199,14 @@ def _paired(runs: list[dict], lane: str, ref: str = "ppo") -> dict:
 
 
 def _gain(runs: list[dict], lane: str) -> dict:
-    """`lane` minus its start per seed: in-run (its last evaluation minus its first, one evaluator)
-    and on each held-out set (the common evaluator's score of the final policy minus the start's)."""
-    def end(r):
-        res = r["lanes"].get(lane, {})
-        c = res.get("curve")
-        return c[-1]["strict"] - c[0]["strict"] if c and not failed(res) else None
-
-    def held(r, w):
-        a, b = _heldout(r, lane, w), _heldout(r, "start", w)
-        return None if a is None or b is None or failed(r["lanes"].get(lane, {})) else a - b
-
-    out = {"end": mean_se([d for d in map(end, runs) if d is not None])}
-    for w in ("own", "other"):
-        out[f"heldout_{w}"] = mean_se([d for d in (held(r, w) for r in runs) if d is not None])
-    for v in out.values():
-        v["in_se"] = v["mean"] / v["se"] if v["se"] else None
+    """`lane` minus its start per seed: on each held-out set the common evaluator's score of the
+    final policy minus the start's (`_paired` against "start"); in-run its last evaluation minus
+    its first (one evaluator)."""
+    out = _paired(runs, "start", ref=lane)
+    ends = [res["curve"][-1]["strict"] - res["curve"][0]["strict"]
+            for res in (r["lanes"].get(lane, {}) for r in runs) if res.get("curve") and not failed(res)]
+    out["end"] = mean_se(ends)
+    out["end"]["in_se"] = out["end"]["mean"] / out["end"]["se"] if out["end"]["se"] else None
     return out
 
 
